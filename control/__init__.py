@@ -1,0 +1,1 @@
+"""Switchyard control plane: the public gRPC API, routing and worker supervision."""

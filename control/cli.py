@@ -1,0 +1,128 @@
+"""`switchyard`: run the service, or talk to one.
+
+    switchyard serve [--config FILE]          # no config: the generated tiny model on vLLM
+    switchyard generate --model tiny "Hello"  # stream a generation to the terminal
+    switchyard models                         # list served models
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import grpc
+
+from control.config import DEFAULT_LISTEN, ConfigError, default_config, load_config
+from control.logs import configure_logging
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="switchyard", description=__doc__.split("\n")[0])
+    p.add_argument("--log-format", choices=("console", "json"), default=None)
+    p.add_argument("--log-level", default=None)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the control plane and its workers")
+    s.add_argument("--config", type=Path, help="YAML config; default: the embedded tiny model")
+    s.add_argument("--listen", help=f"host:port to listen on (default {DEFAULT_LISTEN})")
+
+    g = sub.add_parser("generate", help="stream a generation to the terminal")
+    g.add_argument("prompt")
+    g.add_argument("--model", default="tiny")
+    g.add_argument("--address", default=DEFAULT_LISTEN)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+
+    m = sub.add_parser("models", help="list the served models")
+    m.add_argument("--address", default=DEFAULT_LISTEN)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    configure_logging(args.log_format, args.log_level)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "generate":
+        return _generate(args)
+    return _models(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from control.server import serve
+
+    try:
+        config = load_config(args.config) if args.config else default_config()
+    except ConfigError as e:
+        print(f"switchyard: {e}", file=sys.stderr)
+        return 2
+    if args.listen:
+        config = type(config)(listen=args.listen, models=config.models)
+    return asyncio.run(serve(config))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from switchyard.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+    sampling = common_pb2.SamplingParams()
+    if args.temperature is not None:
+        sampling.temperature = args.temperature
+    if args.top_p is not None:
+        sampling.top_p = args.top_p
+    if args.seed is not None:
+        sampling.seed = args.seed
+    req = generation_pb2.GenerateRequest(
+        model=args.model,
+        text=args.prompt,
+        sampling=sampling,
+        stopping=generation_pb2.StoppingParams(
+            max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos
+        ),
+    )
+    with grpc.insecure_channel(args.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        try:
+            for resp in stub.Generate(req, timeout=args.timeout):
+                if resp.HasField("chunk"):
+                    sys.stdout.write(resp.chunk.text)
+                    sys.stdout.flush()
+                else:
+                    f = resp.final
+                    reason = common_pb2.FinishReason.Name(f.finish_reason).removeprefix(
+                        "FINISH_REASON_"
+                    )
+                    print(
+                        f"\n[{reason}] {f.usage.completion_tokens} tokens, "
+                        f"TTFT {f.timing.time_to_first_token_ms:.1f} ms, "
+                        f"total {f.timing.total_ms:.1f} ms, {f.engine} at {f.worker}",
+                        file=sys.stderr,
+                    )
+        except grpc.RpcError as e:
+            print(f"\nswitchyard: {e.code().name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+            return 1
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from switchyard.v1 import generation_pb2, generation_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        resp = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=10)
+    for m in resp.models:
+        print(
+            f"{m.name}\t{m.engine}\tcontext {m.max_context}\t"
+            f"{m.healthy_workers}/{m.workers} workers healthy"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

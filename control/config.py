@@ -1,0 +1,176 @@
+"""The serving configuration: YAML in, typed values out, errors that name the key.
+
+```yaml
+listen: 127.0.0.1:50051
+models:
+  - name: tiny
+    engine: vllm            # vllm (trtllm and sim arrive with the C++ worker)
+    model: builtin:tiny     # a model directory, or builtin:tiny for the generated one
+    tokenizer: /path        # optional, defaults to the model directory
+    replicas: 1             # local worker processes to start
+    engine_args: {max_model_len: 2048}
+    workers: []             # addresses of remote workers; when set, none is started
+```
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENGINES = ("vllm", "trtllm", "sim")
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = ("tiny",)
+DEFAULT_LISTEN = "127.0.0.1:50051"
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$")
+_ENGINE_ARG_KEYS = {
+    "max_model_len",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "dtype",
+    "seed",
+}
+
+
+class ConfigError(ValueError):
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"config error at {key}: {message}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    engine: str
+    model: str
+    tokenizer: str | None = None
+    replicas: int = 1
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    workers: tuple[str, ...] = ()
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.model.startswith(BUILTIN_PREFIX)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    listen: str = DEFAULT_LISTEN
+    models: tuple[ModelSpec, ...] = ()
+
+
+def default_config(listen: str = DEFAULT_LISTEN) -> ServeConfig:
+    """The embedded default: the generated tiny model on one local vLLM worker."""
+    return ServeConfig(
+        listen=listen,
+        models=(ModelSpec(name="tiny", engine="vllm", model=BUILTIN_PREFIX + "tiny"),),
+    )
+
+
+def load_config(path: Path) -> ServeConfig:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(str(path), f"cannot read: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(str(path), f"not valid YAML: {e}") from e
+    return parse_config(raw)
+
+
+def parse_config(raw: object) -> ServeConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError("<root>", "expected a mapping with 'models'")
+    _no_unknown_keys(raw, {"listen", "models"}, "")
+    listen = raw.get("listen", DEFAULT_LISTEN)
+    if not isinstance(listen, str) or not _is_address(listen):
+        raise ConfigError("listen", f"expected host:port, got {listen!r}")
+    models_raw = raw.get("models")
+    if not isinstance(models_raw, list) or not models_raw:
+        raise ConfigError("models", "expected a non-empty list of models")
+    models: list[ModelSpec] = []
+    seen: set[str] = set()
+    for i, m in enumerate(models_raw):
+        spec = _parse_model(m, f"models[{i}]")
+        if spec.name in seen:
+            raise ConfigError(f"models[{i}].name", f"duplicate model name {spec.name!r}")
+        seen.add(spec.name)
+        models.append(spec)
+    return ServeConfig(listen=listen, models=tuple(models))
+
+
+def _parse_model(m: object, key: str) -> ModelSpec:
+    if not isinstance(m, dict):
+        raise ConfigError(key, "expected a mapping")
+    _no_unknown_keys(
+        m, {"name", "engine", "model", "tokenizer", "replicas", "engine_args", "workers"}, key
+    )
+    name = m.get("name")
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ConfigError(f"{key}.name", f"expected a model name like 'llama-8b', got {name!r}")
+    engine = m.get("engine")
+    if engine not in ENGINES:
+        raise ConfigError(
+            f"{key}.engine", f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}"
+        )
+    model = m.get("model")
+    if not isinstance(model, str) or not model:
+        raise ConfigError(f"{key}.model", "expected a model directory or builtin:tiny")
+    workers_raw = m.get("workers", [])
+    if not isinstance(workers_raw, list) or not all(isinstance(w, str) for w in workers_raw):
+        raise ConfigError(f"{key}.workers", "expected a list of host:port addresses")
+    for j, w in enumerate(workers_raw):
+        if not _is_address(w):
+            raise ConfigError(f"{key}.workers[{j}]", f"expected host:port, got {w!r}")
+    if model.startswith(BUILTIN_PREFIX):
+        if model[len(BUILTIN_PREFIX) :] not in BUILTIN_MODELS:
+            raise ConfigError(
+                f"{key}.model", f"unknown builtin model {model!r}; known: builtin:tiny"
+            )
+    elif not workers_raw and not Path(model).is_dir():
+        raise ConfigError(f"{key}.model", f"model directory {model!r} does not exist")
+    tokenizer = m.get("tokenizer")
+    if tokenizer is not None and (not isinstance(tokenizer, str) or not Path(tokenizer).is_dir()):
+        raise ConfigError(f"{key}.tokenizer", f"tokenizer directory {tokenizer!r} does not exist")
+    replicas = m.get("replicas", 1)
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= 64:
+        raise ConfigError(f"{key}.replicas", f"expected an integer from 1 to 64, got {replicas!r}")
+    engine_args = m.get("engine_args", {})
+    if not isinstance(engine_args, dict):
+        raise ConfigError(f"{key}.engine_args", "expected a mapping")
+    _no_unknown_keys(engine_args, _ENGINE_ARG_KEYS, f"{key}.engine_args")
+    for arg in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+        v = engine_args.get(arg)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"{key}.engine_args.{arg}", f"expected a positive integer, got {v!r}")
+    if engine != "vllm" and not workers_raw:
+        raise ConfigError(
+            f"{key}.engine",
+            f"engine {engine!r} runs on the C++ worker, which this build cannot start yet; "
+            "give remote 'workers' addresses instead",
+        )
+    return ModelSpec(
+        name=name,
+        engine=engine,
+        model=model,
+        tokenizer=tokenizer,
+        replicas=replicas,
+        engine_args=dict(engine_args),
+        workers=tuple(workers_raw),
+    )
+
+
+def _no_unknown_keys(d: dict[Any, Any], allowed: set[str], key: str) -> None:
+    for k in d:
+        if k not in allowed:
+            where = f"{key}.{k}" if key else str(k)
+            raise ConfigError(where, f"unknown key; expected one of {', '.join(sorted(allowed))}")
+
+
+def _is_address(s: str) -> bool:
+    host, sep, port = s.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)

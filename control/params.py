@@ -1,0 +1,214 @@
+"""The edge: a raw `GenerateRequest` becomes a validated `GenerationParams`, or an
+`InvalidArgument` whose violations name each bad field by its path in the request.
+
+Validation happens in two steps. `parse_request` checks everything that needs no model
+(ranges, shapes); `ModelLimits.bind` checks what depends on the model (vocabulary,
+context) once the prompt is tokenized, and settles `max_tokens`.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+from switchyard.v1 import generation_pb2
+
+from control.errors import FieldViolation, InvalidArgument
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_LOGPROBS = 20
+MAX_REQUEST_ID = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    model: str
+    request_id: str
+    prompt_text: str | None
+    prompt_ids: tuple[int, ...] | None
+    sampling: Sampling
+    max_tokens: int | None
+    min_tokens: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    include_stop: bool
+    logprobs: int | None
+    skip_special_tokens: bool
+    priority: int
+
+    @property
+    def prompt_field(self) -> str:
+        return "text" if self.prompt_text is not None else "token_ids.ids"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    max_context: int
+    vocab_size: int
+
+    def bind(self, params: GenerationParams, prompt_ids: list[int]) -> int:
+        """Check the tokenized prompt and stop ids against the model; return max_tokens."""
+        violations: list[FieldViolation] = []
+        field = params.prompt_field
+        if not prompt_ids:
+            violations.append(FieldViolation(field, "the prompt is empty after tokenization"))
+        if len(prompt_ids) >= self.max_context:
+            violations.append(
+                FieldViolation(
+                    field,
+                    f"the prompt has {len(prompt_ids)} tokens; the model's context is "
+                    f"{self.max_context} tokens, and at least one must be left to generate",
+                )
+            )
+        if params.prompt_ids is not None:
+            for i, t in enumerate(prompt_ids):
+                if t >= self.vocab_size:
+                    violations.append(
+                        FieldViolation(
+                            f"token_ids.ids[{i}]",
+                            f"token id {t} is outside the vocabulary (size {self.vocab_size})",
+                        )
+                    )
+                    break
+        for i, t in enumerate(params.stop_token_ids):
+            if t >= self.vocab_size:
+                violations.append(
+                    FieldViolation(
+                        f"stopping.stop_token_ids[{i}]",
+                        f"token id {t} is outside the vocabulary (size {self.vocab_size})",
+                    )
+                )
+        room = self.max_context - len(prompt_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if params.max_tokens is not None and room > 0 and params.max_tokens > room:
+            violations.append(
+                FieldViolation(
+                    "stopping.max_tokens",
+                    f"{params.max_tokens} tokens do not fit: the prompt has {len(prompt_ids)} "
+                    f"tokens and the model's context is {self.max_context}, leaving {room}",
+                )
+            )
+        if violations:
+            raise InvalidArgument(violations)
+        return max_tokens
+
+
+def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
+    v: list[FieldViolation] = []
+    if not req.model:
+        v.append(FieldViolation("model", "required: the name of a served model"))
+
+    which = req.WhichOneof("prompt")
+    prompt_text: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    if which is None:
+        v.append(FieldViolation("prompt", "required: set either text or token_ids"))
+    elif which == "text":
+        prompt_text = req.text
+        if not prompt_text:
+            v.append(FieldViolation("text", "the prompt text is empty"))
+    else:
+        prompt_ids = tuple(req.token_ids.ids)
+        if not prompt_ids:
+            v.append(FieldViolation("token_ids.ids", "the prompt has no token ids"))
+
+    sampling = _parse_sampling(req, v)
+
+    st = req.stopping
+    max_tokens = st.max_tokens if st.HasField("max_tokens") else None
+    if max_tokens is not None and max_tokens < 1:
+        v.append(FieldViolation("stopping.max_tokens", "must be at least 1 when set"))
+    min_tokens = st.min_tokens if st.HasField("min_tokens") else 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        v.append(
+            FieldViolation(
+                "stopping.min_tokens", f"{min_tokens} is more than max_tokens ({max_tokens})"
+            )
+        )
+    stop = tuple(st.stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        v.append(FieldViolation("stopping.stop", f"at most {MAX_STOP_STRINGS} stop strings"))
+    for i, s in enumerate(stop):
+        if not s:
+            v.append(FieldViolation(f"stopping.stop[{i}]", "a stop string cannot be empty"))
+        elif len(s) > MAX_STOP_LENGTH:
+            v.append(
+                FieldViolation(f"stopping.stop[{i}]", f"longer than {MAX_STOP_LENGTH} characters")
+            )
+
+    out = req.output
+    logprobs = out.logprobs if out.HasField("logprobs") else None
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        v.append(FieldViolation("output.logprobs", f"at most {MAX_LOGPROBS}, got {logprobs}"))
+
+    request_id = req.request_id
+    if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
+        v.append(
+            FieldViolation("request_id", f"at most {MAX_REQUEST_ID} printable characters")
+        )
+    if v:
+        raise InvalidArgument(v)
+    return GenerationParams(
+        model=req.model,
+        request_id=request_id or uuid.uuid4().hex,
+        prompt_text=prompt_text,
+        prompt_ids=prompt_ids,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        stop=stop,
+        stop_token_ids=tuple(st.stop_token_ids),
+        ignore_eos=st.ignore_eos,
+        include_stop=st.include_stop_str_in_output,
+        logprobs=logprobs,
+        skip_special_tokens=out.skip_special_tokens if out.HasField("skip_special_tokens") else True,
+        priority=req.priority,
+    )
+
+
+_FLOAT_RULES: tuple[tuple[str, float, float, bool, str], ...] = (
+    # name, low, high, low is open, rule as the client reads it
+    ("temperature", 0.0, math.inf, False, "must be >= 0"),
+    ("top_p", 0.0, 1.0, True, "must be in (0, 1]"),
+    ("min_p", 0.0, 1.0, False, "must be in [0, 1]"),
+    ("repetition_penalty", 0.0, math.inf, True, "must be > 0 (1 is neutral)"),
+    ("presence_penalty", -2.0, 2.0, False, "must be in [-2, 2]"),
+    ("frequency_penalty", -2.0, 2.0, False, "must be in [-2, 2]"),
+)
+
+
+def _parse_sampling(req: generation_pb2.GenerateRequest, v: list[FieldViolation]) -> Sampling:
+    s = req.sampling
+    floats: dict[str, float | None] = {}
+    for name, low, high, low_open, rule in _FLOAT_RULES:
+        if not s.HasField(name):
+            floats[name] = None
+            continue
+        value = float(getattr(s, name))
+        above = value > low if low_open else value >= low
+        if math.isnan(value) or not above or value > high or math.isinf(value):
+            v.append(FieldViolation(f"sampling.{name}", f"{rule}, got {value:g}"))
+        floats[name] = value
+    top_k: int | None = None
+    if s.HasField("top_k"):
+        top_k = s.top_k
+        if top_k < -1:
+            v.append(FieldViolation("sampling.top_k", f"must be -1, 0 or >= 1, got {top_k}"))
+    return Sampling(
+        top_k=top_k, seed=s.seed if s.HasField("seed") else None, **floats  # type: ignore[arg-type]
+    )

@@ -1,0 +1,98 @@
+"""Local worker processes: start them, wait until they serve, restart them when they die,
+and stop them (SIGTERM, a grace period, then SIGKILL)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+
+import structlog
+
+from control.config import ModelSpec
+
+log = structlog.get_logger(__name__)
+
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def worker_command(spec: ModelSpec, model_path: str, port: int) -> list[str]:
+    """The command line of one local worker for `spec`."""
+    if spec.engine != "vllm":
+        raise ValueError(f"no local worker for engine {spec.engine!r} in this build")
+    cmd = [sys.executable, "-m", "pyworker", "--model", model_path, "--port", str(port)]
+    for key, value in sorted(spec.engine_args.items()):
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    return cmd
+
+
+class LocalWorker:
+    """One worker process, restarted with backoff while the supervisor runs."""
+
+    def __init__(self, name: str, cmd: Sequence[str], address: str) -> None:
+        self.name = name
+        self.cmd = list(cmd)
+        self.address = address
+        self.proc: asyncio.subprocess.Process | None = None
+        self.gave_up = False
+        self._stopping = False
+        self._monitor: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        log.info("starting worker", worker=self.name, address=self.address)
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.proc = await asyncio.create_subprocess_exec(*self.cmd, env=env)
+        if self._monitor is None:
+            self._monitor = asyncio.create_task(self._watch(), name=f"watch {self.name}")
+
+    @property
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode
+
+    async def _watch(self) -> None:
+        failures = 0
+        while not self._stopping:
+            assert self.proc is not None
+            code = await self.proc.wait()
+            if self._stopping:
+                return
+            failures += 1
+            if failures > len(RESTART_BACKOFF_S):
+                log.error("worker keeps dying; giving up", worker=self.name, exit_code=code)
+                self.gave_up = True
+                return
+            delay = RESTART_BACKOFF_S[failures - 1]
+            log.error("worker exited", worker=self.name, exit_code=code, restart_in_s=delay)
+            await asyncio.sleep(delay)
+            if not self._stopping:
+                await self.start()
+
+    async def stop(self, grace: float = 15.0) -> None:
+        self._stopping = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), grace)
+        except TimeoutError:
+            log.warning("worker did not stop in time; killing", worker=self.name)
+            proc.kill()
+            await proc.wait()
+        log.info("worker stopped", worker=self.name, exit_code=proc.returncode)

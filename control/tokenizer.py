@@ -1,0 +1,53 @@
+"""The model's Hugging Face tokenizer, as the control plane uses it.
+
+Text is the control plane's job: workers only ever see token ids. Encoding and decoding
+go straight to the Rust `tokenizers` backend when the tokenizer has one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from control.detokenizer import IncrementalDetokenizer
+
+log = structlog.get_logger(__name__)
+
+
+class Tokenizer:
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.path = path
+        self._hf: Any = AutoTokenizer.from_pretrained(path)
+        # The fast backend skips transformers' Python layers on every call.
+        self._fast: Any = getattr(self._hf, "_tokenizer", None)
+        self.vocab_size = len(self._hf)
+        eos = self._hf.eos_token_id
+        self.eos_token_id: int | None = int(eos) if eos is not None else None
+        log.info("tokenizer loaded", path=path, vocab_size=self.vocab_size)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._fast is not None:
+            ids: list[int] = self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+            return ids
+        out: list[int] = self._hf.encode(text, add_special_tokens=add_special_tokens)
+        return out
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        if self._fast is not None:
+            text: str = self._fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
+            return text
+        out: str = self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return out
+
+    def tokens(self, ids: Sequence[int]) -> list[str]:
+        out: list[str] = self._hf.convert_ids_to_tokens(list(ids))
+        return out
+
+    def detokenizer(
+        self, prompt_ids: Sequence[int], skip_special_tokens: bool
+    ) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens=skip_special_tokens)

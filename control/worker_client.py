@@ -1,0 +1,161 @@
+"""One connection to one worker (`switchyard.worker.v1.Worker`), whatever its engine.
+
+It knows the worker's identity (`GetInfo`), follows its health (`grpc.health.v1`
+Watch) and load (`StreamLoad`), and counts the requests the control plane has in
+flight on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    engine: str
+    engine_version: str
+    model: str
+    max_context: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    kv_block_size: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine} {self.engine_version}"
+
+
+@dataclass(slots=True)
+class Load:
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    updated: float = 0.0
+
+
+class WorkerNotReady(Exception):
+    pass
+
+
+class WorkerClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.info: WorkerInfo | None = None
+        self.serving = False
+        self.in_flight = 0
+        self.load = Load()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def healthy(self) -> bool:
+        return self.serving and self.info is not None
+
+    async def check_serving(self, timeout: float = 2.0) -> bool:
+        try:
+            resp = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def fetch_info(self, timeout: float = 10.0) -> WorkerInfo:
+        r = await self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=timeout)
+        self.info = WorkerInfo(
+            engine=r.engine,
+            engine_version=r.engine_version,
+            model=r.model,
+            max_context=r.max_context,
+            vocab_size=r.vocab_size,
+            eos_token_ids=tuple(r.eos_token_ids),
+            kv_block_size=r.kv_block_size,
+        )
+        return self.info
+
+    async def wait_ready(self, timeout: float, poll: float = 0.5) -> WorkerInfo:
+        """Poll health until SERVING, then read GetInfo; start following health and load."""
+        deadline = time.monotonic() + timeout
+        last_note = time.monotonic()
+        while not await self.check_serving():
+            now = time.monotonic()
+            if now > deadline:
+                raise WorkerNotReady(f"worker {self.address} not SERVING after {timeout:.0f} s")
+            if now - last_note > 10:
+                log.info("waiting for worker", worker=self.address, remaining_s=int(deadline - now))
+                last_note = now
+            await asyncio.sleep(poll)
+        info = await self.fetch_info()
+        self.serving = True
+        self.start_watching()
+        return info
+
+    def start_watching(self) -> None:
+        if not self._tasks:
+            self._tasks = [
+                asyncio.create_task(self._watch_health(), name=f"health {self.address}"),
+                asyncio.create_task(self._watch_load(), name=f"load {self.address}"),
+            ]
+
+    async def _watch_health(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                call = self._health.Watch(health_pb2.HealthCheckRequest(service=""))
+                async for resp in call:
+                    serving = resp.status == health_pb2.HealthCheckResponse.SERVING
+                    if serving != self.serving:
+                        log.info("worker health", worker=self.address, serving=serving)
+                    self.serving = serving
+                    backoff = 0.2
+            except grpc.aio.AioRpcError as e:
+                if self.serving:
+                    log.warning("worker unreachable", worker=self.address, code=e.code().name)
+                self.serving = False
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def _watch_load(self) -> None:
+        while True:
+            try:
+                call = self.stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=250))
+                async for r in call:
+                    self.load = Load(r.running, r.waiting, r.kv_cache_usage, time.monotonic())
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(1.0)
+
+    async def abort(self, request_ids: list[str], timeout: float = 2.0) -> None:
+        try:
+            await self.stub.Abort(worker_pb2.AbortRequest(request_ids=request_ids), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            log.warning("abort failed", worker=self.address, code=e.code().name)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+        self._tasks = []
+        await self.channel.close(grace=None)
