@@ -1,8 +1,8 @@
 """`switchyard`: run the service, or talk to one.
 
-    switchyard serve [--config FILE]          # no config: the generated tiny model on vLLM
-    switchyard generate --model tiny "Hello"  # stream a generation to the terminal
-    switchyard models                         # list served models
+switchyard serve [--config FILE]          # no config: the generated tiny model on vLLM
+switchyard generate --model tiny "Hello"  # stream a generation to the terminal
+switchyard models                         # list served models
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _generate(args: argparse.Namespace) -> int:
                         file=sys.stderr,
                     )
         except grpc.RpcError as e:
-            print(f"\nswitchyard: {e.code().name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+            print(f"\nswitchyard: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
     return 0
 

@@ -79,13 +79,15 @@ _CODES: dict[type[SwitchyardError], grpc.StatusCode] = {
 
 def status_code(err: SwitchyardError) -> grpc.StatusCode:
     for cls in type(err).__mro__:
-        code = _CODES.get(cls)  # type: ignore[call-overload]
+        code = _CODES.get(cls)
         if code is not None:
             return code
     return grpc.StatusCode.INTERNAL
 
 
-def to_rpc_status(err: SwitchyardError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, bytes], ...]]:
+def to_rpc_status(
+    err: SwitchyardError,
+) -> tuple[grpc.StatusCode, str, tuple[tuple[str, bytes], ...]]:
     """(code, message, trailing metadata with the rich google.rpc.Status)."""
     code = status_code(err)
     message = str(err)
@@ -93,7 +95,9 @@ def to_rpc_status(err: SwitchyardError) -> tuple[grpc.StatusCode, str, tuple[tup
     if isinstance(err, InvalidArgument):
         bad = error_details_pb2.BadRequest(
             field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+                error_details_pb2.BadRequest.FieldViolation(
+                    field=v.field, description=v.description
+                )
                 for v in err.violations
             ]
         )

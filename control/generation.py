@@ -9,7 +9,7 @@ match stop strings, and finish with exactly one `Final`.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 import grpc
 import structlog
@@ -67,7 +67,7 @@ async def run_generation(
     params: GenerationParams,
     received_at: float,
     time_remaining: float | None,
-) -> AsyncIterator[generation_pb2.GenerateResponse]:
+) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
     tok = entry.tokenizer
     if params.prompt_ids is not None:
         prompt_ids = list(params.prompt_ids)

@@ -158,9 +158,7 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
 
     request_id = req.request_id
     if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
-        v.append(
-            FieldViolation("request_id", f"at most {MAX_REQUEST_ID} printable characters")
-        )
+        v.append(FieldViolation("request_id", f"at most {MAX_REQUEST_ID} printable characters"))
     if v:
         raise InvalidArgument(v)
     return GenerationParams(
@@ -176,7 +174,9 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
         ignore_eos=st.ignore_eos,
         include_stop=st.include_stop_str_in_output,
         logprobs=logprobs,
-        skip_special_tokens=out.skip_special_tokens if out.HasField("skip_special_tokens") else True,
+        skip_special_tokens=out.skip_special_tokens
+        if out.HasField("skip_special_tokens")
+        else True,
         priority=req.priority,
     )
 
@@ -209,6 +209,4 @@ def _parse_sampling(req: generation_pb2.GenerateRequest, v: list[FieldViolation]
         top_k = s.top_k
         if top_k < -1:
             v.append(FieldViolation("sampling.top_k", f"must be -1, 0 or >= 1, got {top_k}"))
-    return Sampling(
-        top_k=top_k, seed=s.seed if s.HasField("seed") else None, **floats  # type: ignore[arg-type]
-    )
+    return Sampling(top_k=top_k, seed=s.seed if s.HasField("seed") else None, **floats)

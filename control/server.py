@@ -41,7 +41,7 @@ class ControlPlane:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.registry = ModelRegistry()
-        self.health = health.aio.HealthServicer()
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.server = grpc.aio.server(
             options=[
                 ("grpc.so_reuseport", 0),

@@ -19,18 +19,20 @@ from control.params import parse_request
 log = structlog.get_logger(__name__)
 
 
-async def _abort(context: grpc.aio.ServicerContext[object, object], err: SwitchyardError) -> NoReturn:
+async def _abort(
+    context: grpc.aio.ServicerContext[object, object], err: SwitchyardError
+) -> NoReturn:
     code, message, trailers = to_rpc_status(err)
     log.debug("request rejected", code=code.name, error=message)
     await context.abort(code, message, trailing_metadata=trailers)
     raise AssertionError("unreachable")  # context.abort raises
 
 
-class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignore[misc]
     def __init__(self, registry: ModelRegistry) -> None:
         self._registry = registry
 
-    async def Generate(  # noqa: N802 - gRPC method name
+    async def Generate(
         self,
         request: generation_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext[object, object],
@@ -46,7 +48,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except SwitchyardError as e:
             await _abort(context, e)
 
-    async def Complete(  # noqa: N802
+    async def Complete(
         self,
         request: generation_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext[object, object],
@@ -71,7 +73,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         out.text = "".join(texts)
         return out
 
-    async def Tokenize(  # noqa: N802
+    async def Tokenize(
         self,
         request: generation_pb2.TokenizeRequest,
         context: grpc.aio.ServicerContext[object, object],
@@ -80,13 +82,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             entry = self._registry.get(request.model)
         except SwitchyardError as e:
             await _abort(context, e)
-        add_special = (
-            request.add_special_tokens if request.HasField("add_special_tokens") else True
-        )
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         ids = entry.tokenizer.encode(request.text, add_special_tokens=add_special)
         return generation_pb2.TokenizeResponse(token_ids=ids, tokens=entry.tokenizer.tokens(ids))
 
-    async def ListModels(  # noqa: N802
+    async def ListModels(
         self,
         request: generation_pb2.ListModelsRequest,
         context: grpc.aio.ServicerContext[object, object],

@@ -103,6 +103,7 @@ def _write_tokenizer(out: Path) -> tuple[int, int, int]:
     tok.train_from_iterator(_CORPUS, trainer=trainer)
     bos_id = tok.token_to_id(BOS)
     eos_id = tok.token_to_id(EOS)
+    assert bos_id is not None and eos_id is not None
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
     )

@@ -73,7 +73,9 @@ class WorkerClient:
 
     async def check_serving(self, timeout: float = 2.0) -> bool:
         try:
-            resp = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            resp = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout
+            )
         except grpc.aio.AioRpcError:
             return False
         return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)

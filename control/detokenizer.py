@@ -1,0 +1,130 @@
+"""Incremental detokenization: turn a stream of generated token ids into text chunks.
+
+Decoding each token on its own is wrong for byte-level BPE: one character can span
+several tokens, and how a token decodes can depend on the tokens before it.
+`IncrementalDetokenizer` uses the prefix-offset / read-offset technique (as in TGI and
+vLLM): it decodes a short window of ids whose first few tokens are already-decoded
+context, and emits the text beyond that context once it no longer ends with U+FFFD
+(an unfinished character). The window is cut back to its last few tokens as it grows,
+so the cost of a push does not grow with the length of the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+# Tokens of already-decoded text kept in front of new ones (prompt tail, or output).
+CONTEXT_TOKENS = 5
+# Cut the window back to CONTEXT_TOKENS once it is this long and fully emitted.
+WINDOW_LIMIT = 16
+# A window this long that still ends mid-character (a long run of tokens that all end
+# inside a character, or invalid bytes) emits what is settled so it can be cut back.
+FORCE_LIMIT = 32
+# At most this many trailing U+FFFDs can still turn into a character: one per byte of
+# an unfinished UTF-8 sequence when a decoder replaces byte by byte, otherwise one.
+MAX_UNSETTLED = 3
+
+
+class TokenDecoder(Protocol):
+    """What the detokenizer needs from a tokenizer (a Hugging Face tokenizer fits)."""
+
+    def decode(self, ids: Sequence[int], /, skip_special_tokens: bool) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns token ids, pushed as they are generated, into complete-character text."""
+
+    def __init__(
+        self,
+        decoder: TokenDecoder,
+        prompt_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._decoder = decoder
+        self._skip_special_tokens = skip_special_tokens
+        # The ids being decoded together: context first, then ids not yet fully emitted.
+        self._window: list[int] = list(prompt_ids[-CONTEXT_TOKENS:]) if prompt_ids else []
+        # How many characters of decode(self._window) are context or already emitted.
+        self._done = len(self._decode(self._window))
+        self._chunks: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (by `push` and `flush`)."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Add generated token ids; return the newly completed text ("" if none)."""
+        if not ids:
+            return ""
+        self._window.extend(ids)
+        full = self._decode(self._window)
+        if not full.endswith(REPLACEMENT_CHAR):
+            end = len(full)
+        elif len(self._window) >= FORCE_LIMIT:
+            end = _settled_length(full)
+        else:
+            end = self._done  # an unfinished character: hold everything back
+        chunk = self._emit(full, end)
+        if len(self._window) >= (WINDOW_LIMIT if self._done >= len(full) else FORCE_LIMIT):
+            self._cut_window(full)
+        return chunk
+
+    def flush(self) -> str:
+        """End of stream: return the text still held back.
+
+        It ends with U+FFFD if the stream stopped in the middle of a character.
+        """
+        full = self._decode(self._window)
+        return self._emit(full, len(full))
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if not ids:
+            return ""
+        return self._decoder.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _emit(self, full: str, end: int) -> str:
+        if end <= self._done:
+            return ""
+        chunk = full[self._done : end]
+        self._done = end
+        self._chunks.append(chunk)
+        return chunk
+
+    def _cut_window(self, full: str) -> None:
+        """Keep only the last CONTEXT_TOKENS ids, if their decode lines up with `full`.
+
+        Decoding the tail can differ from `full` at its start (a character cut in two
+        decodes as U+FFFDs, a leading space may be dropped), but that part has been
+        emitted already. What is still pending must be exactly the end of the tail's
+        decode, preceded by a real character, so the two decodes agree from there on.
+        """
+        pending = full[self._done :]
+        tail = self._window[-CONTEXT_TOKENS:]
+        tail_text = self._decode(tail)
+        done = len(tail_text) - len(pending)
+        if pending and (
+            done <= 0 or not tail_text.endswith(pending) or tail_text[done - 1] == REPLACEMENT_CHAR
+        ):
+            if len(self._window) < 2 * FORCE_LIMIT:
+                return
+            # Only reachable on streams of invalid bytes: give up on the held U+FFFDs
+            # rather than let the window grow without bound.
+            self._emit(full, len(full))
+            done = len(tail_text)
+        self._window = tail
+        self._done = done
+
+
+def _settled_length(text: str) -> int:
+    """Length of `text` without the trailing U+FFFDs that may still become a character."""
+    end = len(text)
+    floor = max(0, end - MAX_UNSETTLED)
+    while end > floor and text[end - 1] == REPLACEMENT_CHAR:
+        end -= 1
+    return end

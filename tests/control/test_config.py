@@ -1,0 +1,80 @@
+"""The YAML config: good ones parse, bad ones fail at start naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from control.config import ConfigError, default_config, load_config, parse_config
+
+
+def model(**kw: object) -> dict[str, object]:
+    m: dict[str, object] = {"name": "tiny", "engine": "vllm", "model": "builtin:tiny"}
+    m.update(kw)
+    return m
+
+
+def test_default_config_is_the_tiny_model() -> None:
+    c = default_config()
+    assert c.listen == "127.0.0.1:50051"
+    assert [(m.name, m.engine, m.model) for m in c.models] == [("tiny", "vllm", "builtin:tiny")]
+
+
+def test_full_model_spec(tmp_path: Path) -> None:
+    c = parse_config(
+        {
+            "listen": "0.0.0.0:6000",
+            "models": [
+                model(
+                    model=str(tmp_path),
+                    replicas=2,
+                    engine_args={"max_model_len": 1024, "dtype": "float32"},
+                ),
+                model(name="remote", workers=["10.0.0.1:7000", "worker-b:7000"]),
+            ],
+        }
+    )
+    assert c.listen == "0.0.0.0:6000"
+    assert c.models[0].replicas == 2 and c.models[0].engine_args["max_model_len"] == 1024
+    assert c.models[1].workers == ("10.0.0.1:7000", "worker-b:7000")
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ([], "<root>"),
+        ({"models": []}, "models"),
+        ({"listen": "nowhere", "models": [model()]}, "listen"),
+        ({"models": [model()], "extra": 1}, "extra"),
+        ({"models": [model(engine="vlm")]}, "models[0].engine"),
+        ({"models": [model(model="/no/such/dir")]}, "models[0].model"),
+        ({"models": [model(model="builtin:huge")]}, "models[0].model"),
+        ({"models": [model(), model()]}, "models[1].name"),
+        ({"models": [model(name="bad name!")]}, "models[0].name"),
+        ({"models": [model(replicas=0)]}, "models[0].replicas"),
+        ({"models": [model(replicas="two")]}, "models[0].replicas"),
+        (
+            {"models": [model(engine_args={"max_model_len": -1})]},
+            "models[0].engine_args.max_model_len",
+        ),
+        ({"models": [model(engine_args={"nonsense": 1})]}, "models[0].engine_args.nonsense"),
+        ({"models": [model(workers=["no-port"])]}, "models[0].workers[0]"),
+        ({"models": [model(tokenizer="/no/such/tok")]}, "models[0].tokenizer"),
+        ({"models": [model(engine="sim")]}, "models[0].engine"),
+    ],
+)
+def test_bad_config_names_the_key(raw: object, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw)
+    assert info.value.key == key
+    assert key in str(info.value)
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
