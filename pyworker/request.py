@@ -1,0 +1,170 @@
+"""Parse a worker GenerateRequest into what the engine needs, or say which field is wrong.
+
+Only what the worker can judge is checked here: the prompt against the model's vocabulary
+and context, and sampling values against their documented ranges. Unset optional fields
+keep vLLM's defaults.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pyworker.engine import EngineInfo
+from pyworker.errors import FieldViolation, InvalidArgument
+
+_MAX_TEMPERATURE = 2.0  # vLLM rejects anything hotter
+
+
+@dataclass(frozen=True)
+class ParsedGenerate:
+    """A validated generation request, ready for `AsyncLLM.generate`."""
+
+    prompt_token_ids: list[int]
+    sampling_params: Any  # vllm.SamplingParams
+    logprobs: int | None
+    priority: int
+    stop_token_ids: frozenset[int]
+
+
+def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
+    """Turn a `switchyard.worker.v1.GenerateRequest` into a `ParsedGenerate`.
+
+    Raises `InvalidArgument` naming every offending field.
+    """
+    violations: list[FieldViolation] = []
+    prompt = list(request.prompt_token_ids)
+    _check_prompt(prompt, info, violations)
+    _check_stopping(request, len(prompt), info, violations)
+    logprobs: int | None = None
+    if request.HasField("logprobs"):
+        logprobs = int(request.logprobs)
+        if logprobs > info.max_logprobs:
+            violations.append(
+                FieldViolation("logprobs", f"must be at most {info.max_logprobs}, got {logprobs}")
+            )
+    sampling_kwargs = _sampling_kwargs(request.sampling, violations)
+    if violations:
+        raise InvalidArgument(violations)
+
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    stop_token_ids = [int(t) for t in request.stop_token_ids]
+    try:
+        params = SamplingParams(
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
+            max_tokens=int(request.max_tokens),
+            min_tokens=int(request.min_tokens),
+            stop_token_ids=stop_token_ids,
+            ignore_eos=bool(request.ignore_eos),
+            logprobs=logprobs,
+            **sampling_kwargs,
+        )
+    except Exception as exc:  # vLLM's own checks, should ours miss one
+        field = getattr(exc, "parameter", None) or "sampling"
+        raise InvalidArgument.field(str(field), str(exc)) from exc
+    return ParsedGenerate(
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        logprobs=logprobs,
+        priority=int(request.priority) if info.priority_scheduling else 0,
+        stop_token_ids=frozenset(stop_token_ids),
+    )
+
+
+def _check_prompt(prompt: list[int], info: EngineInfo, out: list[FieldViolation]) -> None:
+    if not prompt:
+        out.append(FieldViolation("prompt_token_ids", "must not be empty"))
+        return
+    for index, token in enumerate(prompt):
+        if token >= info.vocab_size:
+            out.append(
+                FieldViolation(
+                    f"prompt_token_ids[{index}]",
+                    f"token id {token} is outside the vocabulary (size {info.vocab_size})",
+                )
+            )
+            break
+    if len(prompt) >= info.max_context:
+        out.append(
+            FieldViolation(
+                "prompt_token_ids",
+                f"prompt of {len(prompt)} tokens leaves no room to generate within the "
+                f"model's context of {info.max_context} tokens",
+            )
+        )
+
+
+def _check_stopping(
+    request: Any, prompt_len: int, info: EngineInfo, out: list[FieldViolation]
+) -> None:
+    max_tokens = int(request.max_tokens)
+    if max_tokens < 1:
+        out.append(FieldViolation("max_tokens", f"must be at least 1, got {max_tokens}"))
+    elif 0 < prompt_len < info.max_context and prompt_len + max_tokens > info.max_context:
+        out.append(
+            FieldViolation(
+                "max_tokens",
+                f"prompt ({prompt_len}) plus max_tokens ({max_tokens}) exceeds the model's "
+                f"context of {info.max_context} tokens",
+            )
+        )
+    min_tokens = int(request.min_tokens)
+    if max_tokens >= 1 and min_tokens > max_tokens:
+        out.append(
+            FieldViolation(
+                "min_tokens", f"must not exceed max_tokens ({max_tokens}), got {min_tokens}"
+            )
+        )
+    for index, token in enumerate(request.stop_token_ids):
+        if token >= info.vocab_size:
+            out.append(
+                FieldViolation(
+                    f"stop_token_ids[{index}]",
+                    f"token id {token} is outside the vocabulary (size {info.vocab_size})",
+                )
+            )
+            break
+
+
+def _sampling_kwargs(sampling: Any, out: list[FieldViolation]) -> dict[str, Any]:
+    """SamplingParams keyword arguments for the fields that are set and valid."""
+    kwargs: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        return getattr(sampling, name) if sampling.HasField(name) else None
+
+    def check_float(name: str, low: float, high: float, *, low_open: bool = False) -> None:
+        value = get(name)
+        if value is None:
+            return
+        value = float(value)
+        ok = math.isfinite(value) and (low < value if low_open else low <= value) and value <= high
+        if not ok:
+            interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+            out.append(FieldViolation(f"sampling.{name}", f"must be in {interval}, got {value:g}"))
+            return
+        kwargs[name] = value
+
+    check_float("temperature", 0.0, _MAX_TEMPERATURE)
+    check_float("top_p", 0.0, 1.0, low_open=True)
+    check_float("min_p", 0.0, 1.0)
+    check_float("repetition_penalty", 0.0, math.inf, low_open=True)
+    check_float("presence_penalty", -2.0, 2.0)
+    check_float("frequency_penalty", -2.0, 2.0)
+
+    top_k = get("top_k")
+    if top_k is not None:
+        if top_k < -1:
+            out.append(
+                FieldViolation("sampling.top_k", f"must be 0 or -1 (disabled) or >= 1, got {top_k}")
+            )
+        else:
+            kwargs["top_k"] = 0 if top_k == -1 else int(top_k)
+    seed = get("seed")
+    if seed is not None:
+        kwargs["seed"] = int(seed)
+    return kwargs
