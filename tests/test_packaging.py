@@ -3,6 +3,7 @@ that the build generates from proto/ (never kept in the source tree)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -54,3 +55,13 @@ def test_no_generated_code_in_the_source_tree() -> None:
     if not tracked:
         pytest.skip("not a git checkout (an sdist, say): there is no tracked tree to inspect")
     assert not [p for p in tracked if p.endswith(("_pb2.py", "_pb2_grpc.py", "_pb2.pyi"))]
+
+
+def test_install_has_the_cpp_worker_and_module() -> None:
+    worker = Path(sys.executable).parent / "switchyard-cpp-worker"
+    assert worker.exists(), "pip install . did not install the C++ worker binary"
+    out = subprocess.run([str(worker), "--help"], capture_output=True, text=True, check=False)
+    assert out.returncode == 0 and "--engine sim|trtllm" in out.stdout
+    import switchyard_runtime
+
+    assert switchyard_runtime.SimExecutor.token_at(1, 2, 3, 100) >= 4

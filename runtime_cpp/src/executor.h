@@ -1,0 +1,126 @@
+// The engine seam of the C++ worker: an interface with TensorRT-LLM executor semantics
+// (enqueue, await responses with a timeout, cancel, iteration stats, shutdown).
+//
+// Implementations: TrtllmExecutor (tensorrt_llm::executor::Executor, built only with
+// TensorRT-LLM) and SimExecutor (a deterministic simulator for tests and scale runs).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace switchyard::rt {
+
+using TokenId = std::int32_t;
+using RequestId = std::uint64_t;
+using Tokens = std::vector<TokenId>;
+
+struct SamplingOptions {
+  std::optional<float> temperature;
+  std::optional<float> top_p;
+  std::optional<std::int32_t> top_k;
+  std::optional<float> min_p;
+  std::optional<float> repetition_penalty;
+  std::optional<float> presence_penalty;
+  std::optional<float> frequency_penalty;
+  std::optional<std::uint64_t> seed;
+  std::int32_t min_tokens = 0;
+};
+
+// One generation, in token ids. Mirrors what tensorrt_llm::executor::Request takes.
+struct GenRequest {
+  Tokens prompt;
+  std::int32_t max_tokens = 16;
+  SamplingOptions sampling;
+  std::vector<Tokens> stop_words;  // each a token sequence; single ids are stop tokens
+  std::vector<Tokens> bad_words;
+  std::optional<TokenId> end_id;   // unset: the EOS is ignored
+  std::optional<TokenId> pad_id;
+  bool streaming = true;
+  bool return_logprobs = false;
+  std::optional<std::chrono::milliseconds> allotted_time;  // then kTimedOut
+  std::int32_t priority = 0;
+};
+
+enum class FinishReason : std::uint8_t {
+  kNotFinished = 0,
+  kEndId,
+  kStopWords,
+  kLength,
+  kTimedOut,
+  kCancelled,
+};
+
+const char* to_string(FinishReason r);
+
+// One engine response: new tokens of one request (streaming), possibly final.
+struct GenResponse {
+  RequestId id = 0;
+  Tokens tokens;
+  std::vector<float> logprobs;  // one per token when asked
+  bool is_final = false;
+  FinishReason finish = FinishReason::kNotFinished;
+  std::string error;            // non-empty: the request failed (is_final is true)
+  std::int32_t prompt_tokens = 0;
+  std::int32_t cached_prompt_tokens = 0;
+  double queue_ms = 0;          // enqueue until first scheduled, when known
+};
+
+struct IterationStats {
+  std::uint64_t iteration = 0;
+  std::int32_t active_requests = 0;
+  std::int32_t queued_requests = 0;
+  std::int32_t kv_blocks_used = 0;
+  std::int32_t kv_blocks_free = 0;
+  std::int32_t kv_blocks_max = 0;
+  std::int32_t tokens_per_block = 0;
+  double iteration_ms = 0;
+  std::uint64_t generated_tokens_total = 0;
+};
+
+struct EngineInfo {
+  std::string engine;          // "trtllm", "sim"
+  std::string engine_version;
+  std::string model;
+  std::int32_t max_context = 0;
+  std::int32_t vocab_size = 0;
+  std::vector<TokenId> eos_token_ids;
+  std::int32_t tokens_per_block = 0;
+};
+
+// A request the engine refuses; the message names the field.
+class InvalidRequest : public std::invalid_argument {
+ public:
+  InvalidRequest(std::string field, const std::string& message)
+      : std::invalid_argument(field + ": " + message), field_(std::move(field)) {}
+  const std::string& field() const { return field_; }
+
+ private:
+  std::string field_;
+};
+
+class Executor {
+ public:
+  virtual ~Executor() = default;
+  Executor() = default;
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // Queues a request; throws InvalidRequest when it cannot be served.
+  virtual RequestId enqueue(const GenRequest& request) = 0;
+  // Waits up to `timeout` for responses of any request; empty on timeout or shutdown.
+  virtual std::vector<GenResponse> await_responses(std::chrono::milliseconds timeout) = 0;
+  // Cancels a request; its final response carries kCancelled. Unknown ids are ignored.
+  virtual void cancel(RequestId id) = 0;
+  // The most recent iteration's statistics, if any iteration ran.
+  virtual std::optional<IterationStats> latest_stats() = 0;
+  virtual bool can_enqueue() const = 0;
+  virtual EngineInfo info() const = 0;
+  // Stops the engine; pending requests are dropped. Idempotent.
+  virtual void shutdown() = 0;
+};
+
+}  // namespace switchyard::rt

@@ -1,0 +1,157 @@
+#include "translate.h"
+
+#include <cmath>
+
+namespace switchyard::rt {
+namespace {
+
+bool bad(FieldError* e, std::string field, std::string message) {
+  e->field = std::move(field);
+  e->message = std::move(message);
+  return false;
+}
+
+bool in_range(float v, float lo, float hi) { return std::isfinite(v) && v >= lo && v <= hi; }
+
+}  // namespace
+
+bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, double deadline_ms,
+                    GenRequest* out, FieldError* error) {
+  const auto n = in.prompt_token_ids_size();
+  if (n == 0) return bad(error, "prompt_token_ids", "must not be empty");
+  out->prompt.assign(in.prompt_token_ids().begin(), in.prompt_token_ids().end());
+  for (int i = 0; i < n; ++i) {
+    auto t = in.prompt_token_ids(i);
+    if (t >= static_cast<std::uint32_t>(info.vocab_size)) {
+      return bad(error, "prompt_token_ids[" + std::to_string(i) + "]",
+                 "token id " + std::to_string(t) + " is outside the vocabulary (size " +
+                     std::to_string(info.vocab_size) + ")");
+    }
+  }
+  if (n >= info.max_context) {
+    return bad(error, "prompt_token_ids",
+               "the prompt has " + std::to_string(n) + " tokens; the context is " +
+                   std::to_string(info.max_context));
+  }
+  if (in.max_tokens() < 1) return bad(error, "max_tokens", "must be at least 1");
+  if (static_cast<std::int64_t>(n) + in.max_tokens() > info.max_context) {
+    return bad(error, "max_tokens",
+               std::to_string(in.max_tokens()) + " tokens do not fit: the prompt has " +
+                   std::to_string(n) + " and the context is " + std::to_string(info.max_context));
+  }
+  if (in.min_tokens() > in.max_tokens()) {
+    return bad(error, "min_tokens", "more than max_tokens");
+  }
+  out->max_tokens = static_cast<std::int32_t>(in.max_tokens());
+
+  const auto& s = in.sampling();
+  auto& o = out->sampling;
+  if (s.has_temperature()) {
+    if (!in_range(s.temperature(), 0.f, INFINITY)) return bad(error, "sampling.temperature", "must be >= 0");
+    o.temperature = s.temperature();
+  }
+  if (s.has_top_p()) {
+    if (!(std::isfinite(s.top_p()) && s.top_p() > 0.f && s.top_p() <= 1.f)) {
+      return bad(error, "sampling.top_p", "must be in (0, 1]");
+    }
+    o.top_p = s.top_p();
+  }
+  if (s.has_top_k()) {
+    if (s.top_k() < -1) return bad(error, "sampling.top_k", "must be -1, 0 or >= 1");
+    if (s.top_k() > 0) o.top_k = s.top_k();
+  }
+  if (s.has_min_p()) {
+    if (!in_range(s.min_p(), 0.f, 1.f)) return bad(error, "sampling.min_p", "must be in [0, 1]");
+    o.min_p = s.min_p();
+  }
+  if (s.has_repetition_penalty()) {
+    if (!(std::isfinite(s.repetition_penalty()) && s.repetition_penalty() > 0.f)) {
+      return bad(error, "sampling.repetition_penalty", "must be > 0");
+    }
+    o.repetition_penalty = s.repetition_penalty();
+  }
+  if (s.has_presence_penalty()) {
+    if (!in_range(s.presence_penalty(), -2.f, 2.f)) return bad(error, "sampling.presence_penalty", "must be in [-2, 2]");
+    o.presence_penalty = s.presence_penalty();
+  }
+  if (s.has_frequency_penalty()) {
+    if (!in_range(s.frequency_penalty(), -2.f, 2.f)) return bad(error, "sampling.frequency_penalty", "must be in [-2, 2]");
+    o.frequency_penalty = s.frequency_penalty();
+  }
+  if (s.has_seed()) o.seed = s.seed();
+  o.min_tokens = static_cast<std::int32_t>(in.min_tokens());
+
+  out->stop_words.clear();
+  for (int i = 0; i < in.stop_token_ids_size(); ++i) {
+    auto t = in.stop_token_ids(i);
+    if (t >= static_cast<std::uint32_t>(info.vocab_size)) {
+      return bad(error, "stop_token_ids[" + std::to_string(i) + "]", "outside the vocabulary");
+    }
+    out->stop_words.push_back({static_cast<TokenId>(t)});
+  }
+  if (in.ignore_eos() || info.eos_token_ids.empty()) {
+    out->end_id.reset();
+  } else {
+    out->end_id = info.eos_token_ids.front();
+    // Further EOS ids stop like stop tokens.
+    for (std::size_t i = 1; i < info.eos_token_ids.size(); ++i) {
+      out->stop_words.push_back({info.eos_token_ids[i]});
+    }
+  }
+  out->pad_id = out->end_id;
+  out->streaming = true;
+  if (in.has_logprobs()) {
+    if (in.logprobs() > 20) return bad(error, "logprobs", "at most 20");
+    out->return_logprobs = true;
+  }
+  out->priority = in.priority();
+  if (deadline_ms >= 0) {
+    out->allotted_time = std::chrono::milliseconds(static_cast<std::int64_t>(deadline_ms));
+  }
+  return true;
+}
+
+void append_chunk(const GenResponse& r, wv1::Chunk* chunk) {
+  for (std::size_t i = 0; i < r.tokens.size(); ++i) {
+    chunk->add_token_ids(static_cast<std::uint32_t>(r.tokens[i]));
+    if (i < r.logprobs.size()) {
+      auto* lp = chunk->add_logprobs();
+      lp->set_token_id(static_cast<std::uint32_t>(r.tokens[i]));
+      lp->set_logprob(r.logprobs[i]);
+    }
+  }
+}
+
+::switchyard::v1::FinishReason to_wire(FinishReason reason) {
+  using W = ::switchyard::v1::FinishReason;
+  switch (reason) {
+    case FinishReason::kEndId:
+    case FinishReason::kStopWords: return W::FINISH_REASON_STOP;
+    case FinishReason::kLength: return W::FINISH_REASON_LENGTH;
+    case FinishReason::kTimedOut: return W::FINISH_REASON_TIME_LIMIT;
+    case FinishReason::kCancelled: return W::FINISH_REASON_CANCELLED;
+    case FinishReason::kNotFinished: break;
+  }
+  return W::FINISH_REASON_ERROR;
+}
+
+void fill_final(const GenResponse& r, std::int32_t completion_tokens, wv1::Final* out) {
+  if (!r.error.empty()) {
+    out->set_finish_reason(::switchyard::v1::FINISH_REASON_ERROR);
+    out->set_error_message(r.error);
+  } else {
+    out->set_finish_reason(to_wire(r.finish));
+  }
+  if (!r.tokens.empty()) {
+    auto last = static_cast<std::uint32_t>(r.tokens.back());
+    if (r.finish == FinishReason::kEndId) out->set_eos_token_id(last);
+    if (r.finish == FinishReason::kStopWords) out->set_stop_token_id(last);
+  }
+  auto* usage = out->mutable_usage();
+  usage->set_prompt_tokens(static_cast<std::uint32_t>(r.prompt_tokens));
+  usage->set_completion_tokens(static_cast<std::uint32_t>(completion_tokens));
+  usage->set_cached_prompt_tokens(static_cast<std::uint32_t>(r.cached_prompt_tokens));
+  out->set_queue_ms(r.queue_ms);
+}
+
+}  // namespace switchyard::rt

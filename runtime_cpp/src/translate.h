@@ -1,0 +1,33 @@
+// Wire <-> engine: switchyard.worker.v1 messages to executor requests, and executor
+// responses to wire messages. Pure functions, unit-tested without a server.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "executor.h"
+#include "switchyard/worker/v1/worker.pb.h"
+
+namespace switchyard::rt {
+
+namespace wv1 = ::switchyard::worker::v1;
+
+struct FieldError {
+  std::string field;
+  std::string message;
+};
+
+// Builds the executor request; on bad input returns false and fills `error` naming the
+// field. `deadline_ms` (< 0: none) becomes the allotted time.
+bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, double deadline_ms,
+                    GenRequest* out, FieldError* error);
+
+// Appends tokens (and logprobs) of one engine response to a chunk being coalesced.
+void append_chunk(const GenResponse& r, wv1::Chunk* chunk);
+
+// Fills the final message of a request from its last engine response.
+void fill_final(const GenResponse& r, std::int32_t completion_tokens, wv1::Final* out);
+
+::switchyard::v1::FinishReason to_wire(FinishReason reason);
+
+}  // namespace switchyard::rt

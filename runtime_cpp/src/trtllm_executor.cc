@@ -1,0 +1,221 @@
+#include "trtllm_executor.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <list>
+
+#include "tensorrt_llm/executor/executor.h"
+
+namespace switchyard::rt {
+namespace tle = tensorrt_llm::executor;
+
+namespace {
+
+tle::SchedulerConfig scheduler_config(const std::string& policy) {
+  if (policy == "max_utilization") {
+    return tle::SchedulerConfig(tle::CapacitySchedulerPolicy::kMAX_UTILIZATION);
+  }
+  if (policy == "guaranteed_no_evict") {
+    return tle::SchedulerConfig(tle::CapacitySchedulerPolicy::kGUARANTEED_NO_EVICT);
+  }
+  throw std::invalid_argument("scheduler_policy: expected guaranteed_no_evict or "
+                              "max_utilization, got " + policy);
+}
+
+tle::ExecutorConfig executor_config(const TrtllmOptions& o) {
+  tle::KvCacheConfig kv;
+  kv.setEnableBlockReuse(o.enable_block_reuse);
+  kv.setFreeGpuMemoryFraction(o.free_gpu_memory_fraction);
+  if (o.max_tokens_in_kv_cache) kv.setMaxTokens(*o.max_tokens_in_kv_cache);
+  tle::ExecutorConfig config;
+  config.setMaxBeamWidth(o.max_beam_width);
+  config.setMaxBatchSize(o.max_batch_size);
+  config.setSchedulerConfig(scheduler_config(o.scheduler_policy));
+  config.setKvCacheConfig(kv);
+  config.setEnableChunkedContext(o.enable_chunked_context);
+  config.setIterStatsMaxIterations(64);
+  return config;
+}
+
+tle::SamplingConfig sampling_config(const SamplingOptions& s) {
+  tle::SamplingConfig c(1);  // beam width 1: sampling, not beam search
+  // Named setters, not the long positional constructor whose order moved between releases.
+  if (s.temperature) c.setTemperature(*s.temperature);
+  if (s.top_k) c.setTopK(*s.top_k);
+  if (s.top_p) c.setTopP(*s.top_p);
+  if (s.min_p) c.setMinP(*s.min_p);
+  if (s.repetition_penalty) c.setRepetitionPenalty(*s.repetition_penalty);
+  if (s.presence_penalty) c.setPresencePenalty(*s.presence_penalty);
+  if (s.frequency_penalty) c.setFrequencyPenalty(*s.frequency_penalty);
+  if (s.seed) c.setSeed(*s.seed);
+  if (s.min_tokens > 0) c.setMinTokens(s.min_tokens);
+  // TensorRT-LLM treats temperature 0 as invalid; greedy is top-k 1.
+  if (s.temperature && *s.temperature == 0.f) {
+    c.setTemperature(std::nullopt);
+    c.setTopK(1);
+  }
+  return c;
+}
+
+std::list<tle::VecTokens> word_list(const std::vector<Tokens>& words) {
+  std::list<tle::VecTokens> out;
+  for (const auto& w : words) out.emplace_back(w.begin(), w.end());
+  return out;
+}
+
+FinishReason from_trtllm(tle::FinishReason r) {
+  switch (r) {
+    case tle::FinishReason::kEND_ID: return FinishReason::kEndId;
+    case tle::FinishReason::kSTOP_WORDS: return FinishReason::kStopWords;
+    case tle::FinishReason::kLENGTH: return FinishReason::kLength;
+    case tle::FinishReason::kTIMED_OUT: return FinishReason::kTimedOut;
+    case tle::FinishReason::kCANCELLED: return FinishReason::kCancelled;
+    case tle::FinishReason::kNOT_FINISHED: break;
+  }
+  return FinishReason::kNotFinished;
+}
+
+}  // namespace
+
+TrtllmExecutor::TrtllmExecutor(TrtllmOptions options) : options_(std::move(options)) {
+  if (options_.engine_dir.empty()) {
+    throw InvalidRequest("model", "the TensorRT-LLM engine directory is required");
+  }
+  executor_ = std::make_unique<tle::Executor>(std::filesystem::path(options_.engine_dir),
+                                              tle::ModelType::kDECODER_ONLY,
+                                              executor_config(options_));
+}
+
+TrtllmExecutor::~TrtllmExecutor() { shutdown(); }
+
+RequestId TrtllmExecutor::enqueue(const GenRequest& r) {
+  tle::OutputConfig output;
+  output.returnLogProbs = r.return_logprobs;
+  output.excludeInputFromOutput = true;
+  tle::Request request(tle::VecTokens(r.prompt.begin(), r.prompt.end()), r.max_tokens,
+                       r.streaming, sampling_config(r.sampling), output);
+  if (r.end_id) {
+    request.setEndId(*r.end_id);
+  } else {
+    // No end id: the executor never stops on EOS (ignore_eos). -1 matches no token.
+    request.setEndId(-1);
+  }
+  if (r.pad_id) request.setPadId(*r.pad_id);
+  if (!r.stop_words.empty()) request.setStopWords(word_list(r.stop_words));
+  if (!r.bad_words.empty()) request.setBadWords(word_list(r.bad_words));
+  if (r.allotted_time) request.setAllottedTimeMs(*r.allotted_time);
+  // Switchyard priorities are integers (higher first); TensorRT-LLM takes [0, 1].
+  const float p = 0.5f + 0.05f * static_cast<float>(std::clamp(r.priority, -10, 10));
+  request.setPriority(p);
+  RequestId id;
+  try {
+    id = executor_->enqueueRequest(request);
+  } catch (const std::exception& e) {
+    throw InvalidRequest("request", e.what());
+  }
+  std::lock_guard<std::mutex> lock(prompt_mu_);
+  prompt_tokens_[id] = static_cast<std::int32_t>(r.prompt.size());
+  return id;
+}
+
+std::vector<GenResponse> TrtllmExecutor::await_responses(std::chrono::milliseconds timeout) {
+  std::vector<GenResponse> out;
+  if (shut_down_.load()) return out;
+  std::vector<tle::Response> responses = executor_->awaitResponses(timeout);
+  out.reserve(responses.size());
+  for (const auto& resp : responses) {
+    GenResponse g;
+    g.id = resp.getRequestId();
+    if (resp.hasError()) {
+      g.is_final = true;
+      g.error = resp.getErrorMsg();
+    } else {
+      const tle::Result& result = resp.getResult();
+      if (!result.outputTokenIds.empty()) {
+        const auto& beam = result.outputTokenIds.front();
+        g.tokens.assign(beam.begin(), beam.end());
+      }
+      if (result.logProbs && !result.logProbs->empty()) {
+        const auto& lp = result.logProbs->front();
+        // Streaming results carry the log probs of the new tokens; keep those.
+        auto n = std::min(lp.size(), g.tokens.size());
+        g.logprobs.assign(lp.end() - static_cast<std::ptrdiff_t>(n), lp.end());
+      }
+      g.is_final = result.isFinal;
+      if (result.isFinal && !result.finishReasons.empty()) {
+        g.finish = from_trtllm(result.finishReasons.front());
+      }
+      if (result.requestPerfMetrics) {
+        const auto& t = result.requestPerfMetrics->timingMetrics;
+        g.queue_ms = std::chrono::duration<double, std::milli>(t.firstScheduledTime - t.arrivalTime)
+                         .count();
+      }
+    }
+    if (g.is_final) {
+      std::lock_guard<std::mutex> lock(prompt_mu_);
+      auto it = prompt_tokens_.find(g.id);
+      if (it != prompt_tokens_.end()) {
+        g.prompt_tokens = it->second;
+        prompt_tokens_.erase(it);
+      }
+    }
+    out.push_back(std::move(g));
+  }
+  return out;
+}
+
+void TrtllmExecutor::cancel(RequestId id) {
+  if (!shut_down_.load()) executor_->cancelRequest(id);
+}
+
+std::optional<IterationStats> TrtllmExecutor::latest_stats() {
+  if (shut_down_.load()) return std::nullopt;
+  // getLatestIterationStats drains what accumulated since the last call; keep the newest.
+  std::deque<tle::IterationStats> fresh = executor_->getLatestIterationStats();
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  if (!fresh.empty()) {
+    const tle::IterationStats& s = fresh.back();
+    IterationStats out;
+    out.iteration = static_cast<std::uint64_t>(s.iter);
+    out.active_requests = s.numActiveRequests;
+    out.queued_requests = s.numQueuedRequests;
+    out.iteration_ms = s.iterLatencyMS;
+    if (s.kvCacheStats) {
+      out.kv_blocks_used = s.kvCacheStats->usedNumBlocks;
+      out.kv_blocks_free = s.kvCacheStats->freeNumBlocks;
+      out.kv_blocks_max = s.kvCacheStats->maxNumBlocks;
+      out.tokens_per_block = s.kvCacheStats->tokensPerBlock;
+    }
+    std::uint64_t generated = stats_ ? stats_->generated_tokens_total : 0;
+    for (const auto& it : fresh) {
+      if (it.inflightBatchingStats) {
+        generated += static_cast<std::uint64_t>(it.inflightBatchingStats->numGenRequests);
+      }
+    }
+    out.generated_tokens_total = generated;
+    stats_ = out;
+  }
+  return stats_;
+}
+
+bool TrtllmExecutor::can_enqueue() const {
+  return !shut_down_.load() && executor_->canEnqueueRequests();
+}
+
+EngineInfo TrtllmExecutor::info() const {
+  EngineInfo i;
+  i.engine = "trtllm";
+  i.engine_version = "tensorrt_llm executor";
+  i.model = options_.engine_dir;
+  i.max_context = options_.max_context;
+  i.vocab_size = options_.vocab_size;
+  i.eos_token_ids = options_.eos_token_ids;
+  i.tokens_per_block = options_.tokens_per_block;
+  return i;
+}
+
+void TrtllmExecutor::shutdown() {
+  if (!shut_down_.exchange(true) && executor_) executor_->shutdown();
+}
+
+}  // namespace switchyard::rt

@@ -1,0 +1,62 @@
+// TrtllmExecutor: the Executor interface over TensorRT-LLM's engine-based C++ executor
+// (tensorrt_llm::executor::Executor, releases 1.0 to 1.2). Built only when CMake is given
+// TensorRT-LLM (-DTRTLLM_ROOT=...); checked here with -fsyntax-only against the real
+// headers (see runtime_cpp/README.md).
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "executor.h"
+
+namespace tensorrt_llm::executor {
+class Executor;
+}
+
+namespace switchyard::rt {
+
+struct TrtllmOptions {
+  std::string engine_dir;                 // a built TensorRT-LLM engine directory
+  std::int32_t max_batch_size = 64;
+  std::int32_t max_beam_width = 1;
+  float free_gpu_memory_fraction = 0.9f;  // of what is free after the weights load
+  std::optional<std::int32_t> max_tokens_in_kv_cache;
+  bool enable_block_reuse = true;         // prefix caching
+  std::string scheduler_policy = "guaranteed_no_evict";  // or max_utilization
+  bool enable_chunked_context = true;
+  // The model's facts the engine directory does not hand back through this API.
+  std::int32_t max_context = 4096;
+  std::int32_t vocab_size = 32000;
+  std::vector<TokenId> eos_token_ids{2};
+  std::int32_t tokens_per_block = 32;
+};
+
+class TrtllmExecutor final : public Executor {
+ public:
+  explicit TrtllmExecutor(TrtllmOptions options);
+  ~TrtllmExecutor() override;
+
+  RequestId enqueue(const GenRequest& request) override;
+  std::vector<GenResponse> await_responses(std::chrono::milliseconds timeout) override;
+  void cancel(RequestId id) override;
+  std::optional<IterationStats> latest_stats() override;
+  bool can_enqueue() const override;
+  EngineInfo info() const override;
+  void shutdown() override;
+
+ private:
+  const TrtllmOptions options_;
+  std::unique_ptr<tensorrt_llm::executor::Executor> executor_;
+  std::mutex stats_mu_;
+  std::optional<IterationStats> stats_;
+  std::mutex prompt_mu_;
+  std::unordered_map<RequestId, std::int32_t> prompt_tokens_;
+  std::atomic<bool> shut_down_{false};
+};
+
+}  // namespace switchyard::rt

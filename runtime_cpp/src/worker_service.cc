@@ -1,0 +1,323 @@
+#include "worker_service.h"
+
+#include <grpcpp/alarm.h>
+
+#include <chrono>
+#include <mutex>
+
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
+#include "translate.h"
+
+namespace switchyard::rt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+// Part of the client's deadline kept back, so TIME_LIMIT reaches the client in time.
+constexpr double kDeadlineMarginMs = 20.0;
+
+double ms_since(Clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
+
+// The stream of one Generate call. The reactor lives until OnDone; the dispatcher may
+// hold this object longer, so everything it touches after Finish is guarded by `done_`.
+class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateResponse>,
+                              public StreamSink {
+ public:
+  GenerateReactor(Executor& executor, Dispatcher& dispatcher)
+      : executor_(executor), dispatcher_(dispatcher) {}
+
+  // Enqueues the request, or finishes the RPC with the error.
+  void start(grpc::CallbackServerContext* ctx, const wv1::GenerateRequest& req,
+             const EngineInfo& info, std::shared_ptr<GenerateReactor> self) {
+    self_ = std::move(self);
+    double deadline_ms = -1;
+    auto deadline = ctx->deadline();
+    if (deadline != std::chrono::system_clock::time_point::max()) {
+      auto left = std::chrono::duration<double, std::milli>(deadline -
+                                                            std::chrono::system_clock::now())
+                      .count();
+      deadline_ms = std::max(0.0, left - std::min(kDeadlineMarginMs, left / 10));
+    }
+    GenRequest gen;
+    FieldError err;
+    if (!to_gen_request(req, info, deadline_ms, &gen, &err)) {
+      finish_now(invalid_argument(err.field, err.message));
+      return;
+    }
+    name_ = req.request_id();
+    try {
+      id_ = executor_.enqueue(gen);  // no lock held
+    } catch (const InvalidRequest& e) {
+      finish_now(invalid_argument(e.field(), e.what()));
+      return;
+    } catch (const std::exception& e) {
+      finish_now(grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string("engine: ") + e.what()));
+      return;
+    }
+    if (!dispatcher_.add(id_, name_, self_)) {
+      executor_.cancel(id_);
+      finish_now(grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                              "request_id " + name_ + " is already in flight"));
+      return;
+    }
+    enqueued_.store(true);
+  }
+
+  // Dispatcher thread: coalesce, and start a write if none is in flight.
+  void on_response(GenResponse&& r) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (finished_) return;
+    if (first_token_ms_ < 0 && !r.tokens.empty()) first_token_ms_ = ms_since(started_);
+    completion_tokens_ += static_cast<std::int32_t>(r.tokens.size());
+    append_chunk(r, pending_.mutable_chunk());
+    if (r.is_final) {
+      final_ = std::make_unique<GenResponse>(std::move(r));  // its tokens are in pending_
+    }
+    if (!write_in_flight_) write_next_locked(lock);
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    write_in_flight_ = false;
+    if (!ok) {  // the client is gone
+      cancelled_ = true;
+    }
+    write_next_locked(lock);
+  }
+
+  void OnCancel() override {
+    if (enqueued_.load()) executor_.cancel(id_);  // at once; no lock held
+    std::unique_lock<std::mutex> lock(mu_);
+    cancelled_ = true;
+    if (!write_in_flight_) write_next_locked(lock);
+  }
+
+  void OnDone() override {
+    if (enqueued_.load()) dispatcher_.remove(id_);
+    std::shared_ptr<GenerateReactor> keep;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      keep.swap(self_);  // the dispatcher may still hold a reference; fine
+    }
+  }
+
+ private:
+  // Chooses the next action with `mu_` held, then releases it before calling gRPC.
+  void write_next_locked(std::unique_lock<std::mutex>& lock) {
+    if (finished_) return;
+    if (cancelled_) {
+      finished_ = true;
+      lock.unlock();
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+      return;
+    }
+    if (pending_.chunk().token_ids_size() > 0) {
+      out_.Swap(&pending_);
+      pending_.Clear();
+    } else if (final_) {
+      out_.Clear();
+      fill_final(*final_, completion_tokens_, out_.mutable_final());
+      out_.mutable_final()->set_time_to_first_token_ms(first_token_ms_ < 0 ? 0 : first_token_ms_);
+      final_.reset();
+      final_sent_ = true;
+    } else if (final_sent_) {
+      finished_ = true;
+      lock.unlock();
+      Finish(grpc::Status::OK);
+      return;
+    } else {
+      return;  // nothing to send yet
+    }
+    write_in_flight_ = true;
+    lock.unlock();
+    StartWrite(&out_);
+  }
+
+  void finish_now(const grpc::Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      finished_ = true;
+    }
+    Finish(status);
+  }
+
+  Executor& executor_;
+  Dispatcher& dispatcher_;
+  std::shared_ptr<GenerateReactor> self_;  // held until OnDone
+  const Clock::time_point started_ = Clock::now();
+  RequestId id_ = 0;
+  std::string name_;
+  std::atomic<bool> enqueued_{false};
+
+  std::mutex mu_;
+  wv1::GenerateResponse pending_;  // coalesced tokens not yet written
+  wv1::GenerateResponse out_;      // the message being written
+  std::unique_ptr<GenResponse> final_;
+  std::int32_t completion_tokens_ = 0;
+  double first_token_ms_ = -1;
+  bool write_in_flight_ = false;
+  bool final_sent_ = false;
+  bool cancelled_ = false;
+  bool finished_ = false;
+};
+
+class LoadReactor final : public grpc::ServerWriteReactor<wv1::LoadReport> {
+ public:
+  LoadReactor(WorkerService& service, std::uint32_t interval_ms)
+      : service_(service), interval_(std::chrono::milliseconds(std::max(10u, interval_ms))) {
+    send();
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    write_pending_ = false;
+    if (!ok) cancelled_ = true;
+    if (cancelled_) return maybe_finish(lock);
+    alarm_pending_ = true;
+    lock.unlock();
+    alarm_.Set(std::chrono::system_clock::now() + interval_, [this](bool fired) {
+      std::unique_lock<std::mutex> l(mu_);
+      alarm_pending_ = false;
+      if (!fired || cancelled_) return maybe_finish(l);
+      l.unlock();
+      send();
+    });
+  }
+
+  void OnCancel() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cancelled_ = true;
+    if (alarm_pending_) {
+      lock.unlock();
+      alarm_.Cancel();  // its callback runs with fired=false and finishes
+      return;
+    }
+    maybe_finish(lock);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void send() {
+    service_.fill_load(&report_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      write_pending_ = true;
+    }
+    StartWrite(&report_);
+  }
+
+  void maybe_finish(std::unique_lock<std::mutex>& lock) {
+    if (finished_ || write_pending_ || alarm_pending_) return;
+    finished_ = true;
+    lock.unlock();
+    Finish(grpc::Status(grpc::StatusCode::CANCELLED, "load stream cancelled"));
+  }
+
+  WorkerService& service_;
+  const std::chrono::milliseconds interval_;
+  grpc::Alarm alarm_;
+  wv1::LoadReport report_;
+  std::mutex mu_;
+  bool write_pending_ = false;
+  bool alarm_pending_ = false;
+  bool cancelled_ = false;
+  bool finished_ = false;
+};
+
+}  // namespace
+
+grpc::Status invalid_argument(const std::string& field, const std::string& message) {
+  google::rpc::BadRequest bad;
+  auto* v = bad.add_field_violations();
+  v->set_field(field);
+  v->set_description(message);
+  google::rpc::Status status;
+  status.set_code(static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  status.set_message(field + ": " + message);
+  status.add_details()->PackFrom(bad);
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, status.message(),
+                      status.SerializeAsString());
+}
+
+WorkerService::WorkerService(Executor& executor, Dispatcher& dispatcher)
+    : executor_(executor), dispatcher_(dispatcher), info_(executor.info()) {}
+
+grpc::ServerWriteReactor<wv1::GenerateResponse>* WorkerService::Generate(
+    grpc::CallbackServerContext* context, const wv1::GenerateRequest* request) {
+  auto reactor = std::make_shared<GenerateReactor>(executor_, dispatcher_);
+  GenerateReactor* raw = reactor.get();
+  raw->start(context, *request, info_, std::move(reactor));
+  return raw;
+}
+
+grpc::ServerUnaryReactor* WorkerService::Abort(grpc::CallbackServerContext* context,
+                                               const wv1::AbortRequest* request,
+                                               wv1::AbortResponse* response) {
+  std::uint32_t aborted = 0;
+  for (const auto& name : request->request_ids()) {
+    if (auto id = dispatcher_.find(name)) {
+      executor_.cancel(*id);
+      ++aborted;
+    }
+  }
+  response->set_aborted(aborted);
+  auto* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* WorkerService::GetInfo(grpc::CallbackServerContext* context,
+                                                 const wv1::GetInfoRequest*,
+                                                 wv1::GetInfoResponse* response) {
+  response->set_engine(info_.engine);
+  response->set_engine_version(info_.engine_version);
+  response->set_model(info_.model);
+  response->set_max_context(static_cast<std::uint32_t>(info_.max_context));
+  response->set_vocab_size(static_cast<std::uint32_t>(info_.vocab_size));
+  for (auto id : info_.eos_token_ids) response->add_eos_token_ids(static_cast<std::uint32_t>(id));
+  response->set_kv_block_size(static_cast<std::uint32_t>(info_.tokens_per_block));
+  auto* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerWriteReactor<wv1::LoadReport>* WorkerService::StreamLoad(
+    grpc::CallbackServerContext*, const wv1::StreamLoadRequest* request) {
+  return new LoadReactor(*this, request->interval_ms() ? request->interval_ms() : 500);
+}
+
+void WorkerService::fill_load(wv1::LoadReport* report) {
+  report->Clear();
+  const auto in_flight = static_cast<std::int32_t>(dispatcher_.in_flight());
+  if (auto s = executor_.latest_stats()) {
+    // Iteration stats lag a request that just ended; never report more than is in flight.
+    const auto running = std::min(s->active_requests, in_flight);
+    report->set_running(static_cast<std::uint32_t>(running));
+    report->set_waiting(static_cast<std::uint32_t>(
+        std::max(0, std::min(s->queued_requests, in_flight - running))));
+    report->set_kv_blocks_used(static_cast<std::uint32_t>(s->kv_blocks_used));
+    report->set_kv_blocks_free(static_cast<std::uint32_t>(s->kv_blocks_free));
+    if (s->kv_blocks_max > 0) {
+      report->set_kv_cache_usage(static_cast<float>(s->kv_blocks_used) /
+                                 static_cast<float>(s->kv_blocks_max));
+    }
+    std::lock_guard<std::mutex> lock(rate_mu_);
+    const auto now = Clock::now();
+    const double dt = std::chrono::duration<double>(now - rate_at_).count();
+    if (dt >= 0.5 || rate_at_ == Clock::time_point{}) {
+      if (rate_at_ != Clock::time_point{} && dt > 0) {
+        rate_ = static_cast<double>(s->generated_tokens_total - rate_tokens_) / dt;
+      }
+      rate_at_ = now;
+      rate_tokens_ = s->generated_tokens_total;
+    }
+    report->set_generation_tokens_per_s(rate_);
+  }
+  report->set_timestamp_s(
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+}
+
+}  // namespace switchyard::rt

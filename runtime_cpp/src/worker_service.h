@@ -1,0 +1,52 @@
+// switchyard.worker.v1.Worker over the grpc++ callback API.
+//
+// Generate: one ServerWriteReactor per stream, exactly one write in flight; tokens that
+// arrive while a write is pending are coalesced into the next message, so a slow client
+// never blocks the engine or other streams. OnCancel cancels the executor request at once.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+
+#include "dispatcher.h"
+#include "executor.h"
+#include "switchyard/worker/v1/worker.grpc.pb.h"
+
+namespace switchyard::rt {
+
+namespace wv1 = ::switchyard::worker::v1;
+
+class WorkerService final : public ::switchyard::worker::v1::Worker::CallbackService {
+ public:
+  WorkerService(Executor& executor, Dispatcher& dispatcher);
+
+  grpc::ServerWriteReactor<wv1::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* context, const wv1::GenerateRequest* request) override;
+  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
+                                  const wv1::AbortRequest* request,
+                                  wv1::AbortResponse* response) override;
+  grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* context,
+                                    const wv1::GetInfoRequest* request,
+                                    wv1::GetInfoResponse* response) override;
+  grpc::ServerWriteReactor<wv1::LoadReport>* StreamLoad(
+      grpc::CallbackServerContext* context, const wv1::StreamLoadRequest* request) override;
+
+  // Fills a load report from the executor's latest iteration and the streams in flight.
+  void fill_load(wv1::LoadReport* report);
+
+ private:
+  Executor& executor_;
+  Dispatcher& dispatcher_;
+  const EngineInfo info_;
+  std::mutex rate_mu_;  // tokens/s over windows of at least 0.5 s
+  std::chrono::steady_clock::time_point rate_at_{};
+  std::uint64_t rate_tokens_ = 0;
+  double rate_ = 0;
+};
+
+// A google.rpc.Status with one BadRequest field violation, as gRPC error details.
+grpc::Status invalid_argument(const std::string& field, const std::string& message);
+
+}  // namespace switchyard::rt

@@ -1,0 +1,155 @@
+#include <gtest/gtest.h>
+
+#include "translate.h"
+
+namespace switchyard::rt {
+namespace {
+
+EngineInfo info() {
+  EngineInfo i;
+  i.max_context = 100;
+  i.vocab_size = 50;
+  i.eos_token_ids = {2, 3};
+  return i;
+}
+
+wv1::GenerateRequest valid() {
+  wv1::GenerateRequest r;
+  r.set_request_id("r1");
+  for (int t : {1, 5, 7}) r.add_prompt_token_ids(t);
+  r.set_max_tokens(10);
+  return r;
+}
+
+TEST(Translate, MapsEveryField) {
+  auto in = valid();
+  auto* s = in.mutable_sampling();
+  s->set_temperature(0.7f);
+  s->set_top_p(0.9f);
+  s->set_top_k(40);
+  s->set_min_p(0.05f);
+  s->set_repetition_penalty(1.1f);
+  s->set_presence_penalty(0.5f);
+  s->set_frequency_penalty(-0.5f);
+  s->set_seed(42);
+  in.set_min_tokens(2);
+  in.add_stop_token_ids(9);
+  in.set_logprobs(1);
+  in.set_priority(3);
+  GenRequest out;
+  FieldError err;
+  ASSERT_TRUE(to_gen_request(in, info(), 250.0, &out, &err)) << err.field;
+  EXPECT_EQ(out.prompt, (Tokens{1, 5, 7}));
+  EXPECT_EQ(out.max_tokens, 10);
+  EXPECT_FLOAT_EQ(*out.sampling.temperature, 0.7f);
+  EXPECT_FLOAT_EQ(*out.sampling.top_p, 0.9f);
+  EXPECT_EQ(*out.sampling.top_k, 40);
+  EXPECT_FLOAT_EQ(*out.sampling.min_p, 0.05f);
+  EXPECT_FLOAT_EQ(*out.sampling.repetition_penalty, 1.1f);
+  EXPECT_EQ(*out.sampling.seed, 42u);
+  EXPECT_EQ(out.sampling.min_tokens, 2);
+  EXPECT_EQ(*out.end_id, 2);
+  // The stop token, then the second EOS id, stop like stop words.
+  ASSERT_EQ(out.stop_words.size(), 2u);
+  EXPECT_EQ(out.stop_words[0], Tokens{9});
+  EXPECT_EQ(out.stop_words[1], Tokens{3});
+  EXPECT_TRUE(out.return_logprobs);
+  EXPECT_EQ(out.priority, 3);
+  EXPECT_EQ(out.allotted_time->count(), 250);
+}
+
+TEST(Translate, UnsetStaysUnsetAndIgnoreEosDropsTheEndId) {
+  auto in = valid();
+  in.set_ignore_eos(true);
+  GenRequest out;
+  FieldError err;
+  ASSERT_TRUE(to_gen_request(in, info(), -1, &out, &err));
+  EXPECT_FALSE(out.sampling.temperature);
+  EXPECT_FALSE(out.sampling.seed);
+  EXPECT_FALSE(out.end_id);
+  EXPECT_FALSE(out.allotted_time);
+  EXPECT_TRUE(out.stop_words.empty());
+}
+
+TEST(Translate, BadInputNamesTheField) {
+  struct Case {
+    std::function<void(wv1::GenerateRequest&)> mutate;
+    std::string field;
+  };
+  std::vector<Case> cases = {
+      {[](auto& r) { r.clear_prompt_token_ids(); }, "prompt_token_ids"},
+      {[](auto& r) { r.add_prompt_token_ids(50); }, "prompt_token_ids[3]"},
+      {[](auto& r) { r.set_max_tokens(0); }, "max_tokens"},
+      {[](auto& r) { r.set_max_tokens(98); }, "max_tokens"},
+      {[](auto& r) { r.set_min_tokens(11); }, "min_tokens"},
+      {[](auto& r) { r.mutable_sampling()->set_temperature(-1); }, "sampling.temperature"},
+      {[](auto& r) { r.mutable_sampling()->set_top_p(0); }, "sampling.top_p"},
+      {[](auto& r) { r.mutable_sampling()->set_top_k(-2); }, "sampling.top_k"},
+      {[](auto& r) { r.mutable_sampling()->set_min_p(2); }, "sampling.min_p"},
+      {[](auto& r) { r.mutable_sampling()->set_repetition_penalty(0); }, "sampling.repetition_penalty"},
+      {[](auto& r) { r.mutable_sampling()->set_presence_penalty(3); }, "sampling.presence_penalty"},
+      {[](auto& r) { r.add_stop_token_ids(77); }, "stop_token_ids[0]"},
+      {[](auto& r) { r.set_logprobs(21); }, "logprobs"},
+  };
+  for (const auto& c : cases) {
+    auto in = valid();
+    c.mutate(in);
+    GenRequest out;
+    FieldError err;
+    EXPECT_FALSE(to_gen_request(in, info(), -1, &out, &err)) << c.field;
+    EXPECT_EQ(err.field, c.field);
+    EXPECT_FALSE(err.message.empty());
+  }
+}
+
+TEST(Translate, ResponsesMapToChunksAndFinals) {
+  GenResponse a;
+  a.tokens = {4, 5};
+  a.logprobs = {-0.5f, -1.5f};
+  wv1::Chunk chunk;
+  append_chunk(a, &chunk);
+  GenResponse b;
+  b.tokens = {6};
+  append_chunk(b, &chunk);  // coalesced into the same chunk
+  ASSERT_EQ(chunk.token_ids_size(), 3);
+  EXPECT_EQ(chunk.token_ids(2), 6u);
+  ASSERT_EQ(chunk.logprobs_size(), 2);
+  EXPECT_FLOAT_EQ(chunk.logprobs(1).logprob(), -1.5f);
+  EXPECT_EQ(chunk.logprobs(1).token_id(), 5u);
+
+  const std::pair<FinishReason, ::switchyard::v1::FinishReason> table[] = {
+      {FinishReason::kEndId, ::switchyard::v1::FINISH_REASON_STOP},
+      {FinishReason::kStopWords, ::switchyard::v1::FINISH_REASON_STOP},
+      {FinishReason::kLength, ::switchyard::v1::FINISH_REASON_LENGTH},
+      {FinishReason::kTimedOut, ::switchyard::v1::FINISH_REASON_TIME_LIMIT},
+      {FinishReason::kCancelled, ::switchyard::v1::FINISH_REASON_CANCELLED},
+  };
+  for (auto [engine, wire] : table) EXPECT_EQ(to_wire(engine), wire);
+
+  GenResponse fin;
+  fin.is_final = true;
+  fin.finish = FinishReason::kEndId;
+  fin.tokens = {2};
+  fin.prompt_tokens = 3;
+  fin.cached_prompt_tokens = 1;
+  fin.queue_ms = 4.5;
+  wv1::Final out;
+  fill_final(fin, 7, &out);
+  EXPECT_EQ(out.finish_reason(), ::switchyard::v1::FINISH_REASON_STOP);
+  EXPECT_EQ(out.eos_token_id(), 2u);
+  EXPECT_EQ(out.usage().prompt_tokens(), 3u);
+  EXPECT_EQ(out.usage().completion_tokens(), 7u);
+  EXPECT_EQ(out.usage().cached_prompt_tokens(), 1u);
+  EXPECT_DOUBLE_EQ(out.queue_ms(), 4.5);
+
+  GenResponse failed;
+  failed.is_final = true;
+  failed.error = "engine fault";
+  wv1::Final err;
+  fill_final(failed, 0, &err);
+  EXPECT_EQ(err.finish_reason(), ::switchyard::v1::FINISH_REASON_ERROR);
+  EXPECT_EQ(err.error_message(), "engine fault");
+}
+
+}  // namespace
+}  // namespace switchyard::rt
