@@ -4,8 +4,8 @@
 listen: 127.0.0.1:50051
 models:
   - name: tiny
-    engine: vllm            # vllm (trtllm and sim arrive with the C++ worker)
-    model: builtin:tiny     # a model directory, or builtin:tiny for the generated one
+    engine: vllm            # vllm | trtllm | sim (the C++ worker's simulator)
+    model: builtin:tiny     # a model (or TensorRT-LLM engine) directory, or builtin:tiny
     tokenizer: /path        # optional, defaults to the model directory
     replicas: 1             # local worker processes to start
     engine_args: {max_model_len: 2048}
@@ -28,13 +28,60 @@ BUILTIN_MODELS = ("tiny",)
 DEFAULT_LISTEN = "127.0.0.1:50051"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$")
-_ENGINE_ARG_KEYS = {
-    "max_model_len",
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "dtype",
-    "seed",
+# What each engine's worker accepts; passed as --key-with-dashes value.
+ENGINE_ARG_KEYS: dict[str, frozenset[str]] = {
+    "vllm": frozenset(
+        {
+            "max_model_len",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "dtype",
+            "seed",
+            "enforce_eager",
+        }
+    ),
+    "sim": frozenset(
+        {
+            "vocab_size",
+            "max_context",
+            "eos_id",
+            "eos_every",
+            "tokens_per_block",
+            "kv_blocks",
+            "max_batch",
+            "prefill_us_per_token",
+            "decode_step_us",
+            "decode_us_per_request",
+            "time_scale",
+        }
+    ),
+    "trtllm": frozenset(
+        {
+            "max_batch_size",
+            "kv_cache_free_gpu_memory_fraction",
+            "max_tokens_in_kv_cache",
+            "enable_kv_cache_reuse",
+            "scheduler_policy",
+            "max_context",
+            "vocab_size",
+            "eos_id",
+        }
+    ),
 }
+_POSITIVE_INT_ARGS = frozenset(
+    {
+        "max_model_len",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "vocab_size",
+        "max_context",
+        "tokens_per_block",
+        "kv_blocks",
+        "max_batch",
+        "max_batch_size",
+        "max_tokens_in_kv_cache",
+    }
+)
 
 
 class ConfigError(ValueError):
@@ -131,8 +178,12 @@ def _parse_model(m: object, key: str) -> ModelSpec:
             raise ConfigError(
                 f"{key}.model", f"unknown builtin model {model!r}; known: builtin:tiny"
             )
-    elif not workers_raw and not Path(model).is_dir():
+    elif engine != "sim" and not workers_raw and not Path(model).is_dir():
         raise ConfigError(f"{key}.model", f"model directory {model!r} does not exist")
+    if engine == "sim" and not model.startswith(BUILTIN_PREFIX) and m.get("tokenizer") is None:
+        raise ConfigError(
+            f"{key}.tokenizer", "a sim model needs a tokenizer (or model: builtin:tiny)"
+        )
     tokenizer = m.get("tokenizer")
     if tokenizer is not None and (not isinstance(tokenizer, str) or not Path(tokenizer).is_dir()):
         raise ConfigError(f"{key}.tokenizer", f"tokenizer directory {tokenizer!r} does not exist")
@@ -142,17 +193,14 @@ def _parse_model(m: object, key: str) -> ModelSpec:
     engine_args = m.get("engine_args", {})
     if not isinstance(engine_args, dict):
         raise ConfigError(f"{key}.engine_args", "expected a mapping")
-    _no_unknown_keys(engine_args, _ENGINE_ARG_KEYS, f"{key}.engine_args")
-    for arg in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
-        v = engine_args.get(arg)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ConfigError(f"{key}.engine_args.{arg}", f"expected a positive integer, got {v!r}")
-    if engine != "vllm" and not workers_raw:
-        raise ConfigError(
-            f"{key}.engine",
-            f"engine {engine!r} runs on the C++ worker, which this build cannot start yet; "
-            "give remote 'workers' addresses instead",
-        )
+    _no_unknown_keys(engine_args, set(ENGINE_ARG_KEYS[engine]), f"{key}.engine_args")
+    for arg, v in engine_args.items():
+        where = f"{key}.engine_args.{arg}"
+        if arg in _POSITIVE_INT_ARGS:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(where, f"expected a positive integer, got {v!r}")
+        elif not isinstance(v, (int, float, str, bool)):
+            raise ConfigError(where, f"expected a number or a string, got {v!r}")
     return ModelSpec(
         name=name,
         engine=engine,

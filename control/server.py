@@ -76,6 +76,7 @@ class ControlPlane:
         model_path = spec.model
         if spec.is_builtin:
             model_path = str(await asyncio.to_thread(ensure_tiny_model))
+        tokenizer = await asyncio.to_thread(Tokenizer, spec.tokenizer or model_path)
         addresses = list(spec.workers)
         starting: list[LocalWorker] = []
         if not addresses:
@@ -83,19 +84,16 @@ class ControlPlane:
             host = "127.0.0.1" if host in ("0.0.0.0", "[::]") else host
             for i in range(spec.replicas):
                 port = free_port(host)
-                lw = LocalWorker(
-                    f"{spec.name}-{i}", worker_command(spec, model_path, port), f"{host}:{port}"
-                )
+                cmd = worker_command(spec, model_path, port, tokenizer)
+                lw = LocalWorker(f"{spec.name}-{i}", cmd, f"{host}:{port}")
                 await lw.start()
                 starting.append(lw)
                 addresses.append(lw.address)
             self.local_workers += starting
         clients = [WorkerClient(a) for a in addresses]
         self.clients += clients
-        tokenizer_task = asyncio.to_thread(Tokenizer, spec.tokenizer or model_path)
         log.info("loading model", model=spec.name, engine=spec.engine, workers=addresses)
         infos = await asyncio.gather(*(self._wait_worker(c, starting) for c in clients))
-        tokenizer = await tokenizer_task
         info = infos[0]
         for other in infos[1:]:
             if (other.max_context, other.vocab_size) != (info.max_context, info.vocab_size):

@@ -6,14 +6,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import structlog
 
 from control.config import ModelSpec
+from control.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -27,12 +30,40 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def worker_command(spec: ModelSpec, model_path: str, port: int) -> list[str]:
-    """The command line of one local worker for `spec`."""
-    if spec.engine != "vllm":
-        raise ValueError(f"no local worker for engine {spec.engine!r} in this build")
-    cmd = [sys.executable, "-m", "pyworker", "--model", model_path, "--port", str(port)]
-    for key, value in sorted(spec.engine_args.items()):
+def cpp_worker_binary() -> str:
+    """The C++ worker installed beside this Python (pip install . builds it)."""
+    beside = Path(sys.executable).parent / "switchyard-cpp-worker"
+    found = str(beside) if beside.exists() else shutil.which("switchyard-cpp-worker")
+    if not found:
+        raise FileNotFoundError(
+            "switchyard-cpp-worker is not installed; build with SWITCHYARD_BUILD_CPP=ON"
+        )
+    return found
+
+
+def worker_command(
+    spec: ModelSpec, model_path: str, port: int, tokenizer: Tokenizer | None = None
+) -> list[str]:
+    """The command line of one local worker for `spec`.
+
+    A sim worker takes its vocabulary and EOS id from the model's tokenizer unless the
+    config sets them, so that the text it streams decodes.
+    """
+    args = dict(spec.engine_args)
+    if spec.engine == "vllm":
+        cmd = [sys.executable, "-m", "pyworker", "--model", model_path]
+    else:
+        cmd = [cpp_worker_binary(), "--engine", spec.engine, "--model", model_path]
+        if tokenizer is not None:
+            args.setdefault("vocab_size", tokenizer.vocab_size)
+            if tokenizer.eos_token_id is not None:
+                args.setdefault("eos_id", tokenizer.eos_token_id)
+        if spec.engine == "sim":
+            args = {f"sim_{k}": v for k, v in args.items()}
+    cmd += ["--port", str(port)]
+    for key, value in sorted(args.items()):
+        if isinstance(value, bool):
+            value = int(value)
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     return cmd
 

@@ -18,6 +18,8 @@ class InFlight:
     request_id: str
     aborted: bool = False  # by the Abort RPC: the stream ends with a CANCELLED final
     finished: bool = False  # the engine reported the request finished
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # streamed so far
 
 
 class TokenRate:

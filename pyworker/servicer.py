@@ -40,6 +40,8 @@ Context = grpc.aio.ServicerContext[Any, Any]
 DEFAULT_LOAD_INTERVAL_MS = 500
 MIN_LOAD_INTERVAL_MS = 10
 _NO_DEADLINE_S = 1e7  # time_remaining() beyond this means "no deadline"
+# Part of the caller's deadline kept back, so that the TIME_LIMIT final reaches it in time.
+_DEADLINE_MARGIN_S = 0.02
 
 _FINISH_REASONS = {
     "length": common_pb2.FINISH_REASON_LENGTH,
@@ -77,19 +79,28 @@ class WorkerServicer:
             log.info("generate rejected", request_id=request_id, code=exc.code.name, error=str(exc))
             await abort_with(context, exc)
 
-        state = InFlight(request_id)
+        state = InFlight(request_id, prompt_tokens=len(parsed.prompt_token_ids))
         self._inflight[request_id] = state
         try:
             remaining = context.time_remaining()
             if remaining is None or remaining > _NO_DEADLINE_S:
                 await self._stream(parsed, state, context, arrived)
             else:
-                async with asyncio.timeout(max(remaining, 0.0)):
+                budget = remaining - min(_DEADLINE_MARGIN_S, remaining / 10)
+                async with asyncio.timeout(max(budget, 0.0)):
                     await self._stream(parsed, state, context, arrived)
         except TimeoutError:
+            # The engine request is aborted; the caller, still listening, hears TIME_LIMIT.
             log.info("generate deadline expired", request_id=request_id)
             await self._guard_abort(state)
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline expired")
+            final = worker_pb2.Final(
+                finish_reason=common_pb2.FINISH_REASON_TIME_LIMIT,
+                usage=common_pb2.Usage(
+                    prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens
+                ),
+            )
+            with contextlib.suppress(StreamClosed):
+                await _write(context, worker_pb2.GenerateResponse(final=final))
         except WorkerError as exc:
             log.warning("generate failed", request_id=request_id, error=str(exc))
             await self._guard_abort(state)
@@ -139,6 +150,7 @@ class WorkerServicer:
                             )
                         await _write(context, worker_pb2.GenerateResponse(chunk=chunk))
                         completion_tokens += len(token_ids)
+                        state.completion_tokens = completion_tokens
                         last_token = token_ids[-1]
                         self._rate.add(len(token_ids))
                 if out.finished:

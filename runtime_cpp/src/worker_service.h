@@ -35,11 +35,14 @@ class WorkerService final : public ::switchyard::worker::v1::Worker::CallbackSer
 
   // Fills a load report from the executor's latest iteration and the streams in flight.
   void fill_load(wv1::LoadReport* report);
+  // From now on, new Generate calls are refused with UNAVAILABLE.
+  void start_drain() { draining_.store(true); }
 
  private:
   Executor& executor_;
   Dispatcher& dispatcher_;
   const EngineInfo info_;
+  std::atomic<bool> draining_{false};
   std::mutex rate_mu_;  // tokens/s over windows of at least 0.5 s
   std::chrono::steady_clock::time_point rate_at_{};
   std::uint64_t rate_tokens_ = 0;
