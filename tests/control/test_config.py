@@ -61,7 +61,16 @@ def test_full_model_spec(tmp_path: Path) -> None:
         ({"models": [model(engine_args={"nonsense": 1})]}, "models[0].engine_args.nonsense"),
         ({"models": [model(workers=["no-port"])]}, "models[0].workers[0]"),
         ({"models": [model(tokenizer="/no/such/tok")]}, "models[0].tokenizer"),
-        ({"models": [model(engine="sim")]}, "models[0].engine"),
+        ({"models": [model(engine="sim", model="sim-label")]}, "models[0].tokenizer"),
+        (
+            {"models": [model(engine="sim", engine_args={"max_model_len": 9})]},
+            "models[0].engine_args.max_model_len",
+        ),
+        ({"models": [model(engine="trtllm", model="/no/engine")]}, "models[0].model"),
+        (
+            {"models": [model(engine="sim", engine_args={"kv_blocks": 0})]},
+            "models[0].engine_args.kv_blocks",
+        ),
     ],
 )
 def test_bad_config_names_the_key(raw: object, key: str) -> None:
@@ -69,6 +78,24 @@ def test_bad_config_names_the_key(raw: object, key: str) -> None:
         parse_config(raw)
     assert info.value.key == key
     assert key in str(info.value)
+
+
+def test_engine_args_are_per_engine() -> None:
+    c = parse_config(
+        {
+            "models": [
+                model(name="s", engine="sim", engine_args={"decode_step_us": 500, "kv_blocks": 64}),
+                model(
+                    name="t",
+                    engine="trtllm",
+                    workers=["gpu-0:7001"],
+                    engine_args={"scheduler_policy": "max_utilization"},
+                ),
+            ]
+        }
+    )
+    assert c.models[0].engine_args == {"decode_step_us": 500, "kv_blocks": 64}
+    assert c.models[1].engine == "trtllm"
 
 
 def test_unreadable_and_malformed_files(tmp_path: Path) -> None:

@@ -1,0 +1,46 @@
+"""How the supervisor turns a model spec into a worker command line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from control.config import ModelSpec
+from control.supervisor import cpp_worker_binary, worker_command
+from control.tokenizer import Tokenizer
+
+
+def test_vllm_worker_command() -> None:
+    spec = ModelSpec(
+        name="m",
+        engine="vllm",
+        model="/m",
+        engine_args={"max_model_len": 1024, "enforce_eager": True},
+    )
+    assert worker_command(spec, "/m", 7001) == [
+        sys.executable,
+        "-m",
+        "pyworker",
+        "--model",
+        "/m",
+        "--port",
+        "7001",
+        "--enforce-eager",
+        "1",
+        "--max-model-len",
+        "1024",
+    ]
+
+
+def test_sim_worker_takes_vocabulary_and_eos_from_the_tokenizer(tiny_model_dir: Path) -> None:
+    tok = Tokenizer(str(tiny_model_dir))
+    spec = ModelSpec(name="s", engine="sim", model="builtin:tiny", engine_args={"kv_blocks": 64})
+    cmd = worker_command(spec, str(tiny_model_dir), 7002, tok)
+    assert cmd[:5] == [cpp_worker_binary(), "--engine", "sim", "--model", str(tiny_model_dir)]
+    args = dict(zip(cmd[5::2], cmd[6::2], strict=True))
+    assert args == {
+        "--port": "7002",
+        "--sim-eos-id": "1",
+        "--sim-kv-blocks": "64",
+        "--sim-vocab-size": "512",
+    }
