@@ -48,7 +48,8 @@ run_pip() {
 # 3. Packages, skipped when nothing they depend on changed since the last run.
 stamp_src=$( (cat pyproject.toml CMakeLists.txt cmake/* scripts/setup.sh; \
   find proto runtime_cpp -type f | sort | xargs cat; \
-  [ -d .trtllm-sdk/include ] && echo with-trtllm-headers) 2>/dev/null | sha256sum | cut -c1-16)
+  if [ -d .trtllm-sdk/include ]; then echo with-trtllm-headers; fi) 2>/dev/null \
+  | sha256sum | cut -c1-16)
 stamp="$venv/.switchyard-setup-$stamp_src"
 if [ -f "$stamp" ]; then
   say "environment up to date (.venv)"
