@@ -10,6 +10,10 @@ models:
     replicas: 1             # local worker processes to start
     engine_args: {max_model_len: 2048}
     workers: []             # addresses of remote workers; when set, none is started
+    routing: least_load     # least_load | prefix_affinity | power_of_two | round_robin
+    limits: {max_concurrency: 256, max_queue: 1024}
+    health: {canary_interval_s: 5, canary_timeout_s: 2, failure_threshold: 3}
+    discovery: {dns: workers.example:7001, interval_s: 10}   # every address behind a name
 ```
 """
 
@@ -23,6 +27,7 @@ from typing import Any
 import yaml
 
 ENGINES = ("vllm", "trtllm", "sim")
+ROUTING_POLICIES = ("least_load", "prefix_affinity", "power_of_two", "round_robin")
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny",)
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -99,6 +104,14 @@ class ModelSpec:
     replicas: int = 1
     engine_args: dict[str, Any] = field(default_factory=dict)
     workers: tuple[str, ...] = ()
+    routing: str = "least_load"
+    max_concurrency: int = 256
+    max_queue: int = 1024
+    canary_interval_s: float = 5.0
+    canary_timeout_s: float = 2.0
+    failure_threshold: int = 3
+    dns: str | None = None  # host:port re-resolved for workers (a headless Service)
+    dns_interval_s: float = 10.0
 
     @property
     def is_builtin(self) -> bool:
@@ -154,7 +167,21 @@ def _parse_model(m: object, key: str) -> ModelSpec:
     if not isinstance(m, dict):
         raise ConfigError(key, "expected a mapping")
     _no_unknown_keys(
-        m, {"name", "engine", "model", "tokenizer", "replicas", "engine_args", "workers"}, key
+        m,
+        {
+            "name",
+            "engine",
+            "model",
+            "tokenizer",
+            "replicas",
+            "engine_args",
+            "workers",
+            "routing",
+            "limits",
+            "health",
+            "discovery",
+        },
+        key,
     )
     name = m.get("name")
     if not isinstance(name, str) or not _NAME_RE.match(name):
@@ -201,6 +228,20 @@ def _parse_model(m: object, key: str) -> ModelSpec:
                 raise ConfigError(where, f"expected a positive integer, got {v!r}")
         elif not isinstance(v, (int, float, str, bool)):
             raise ConfigError(where, f"expected a number or a string, got {v!r}")
+    routing = m.get("routing", "least_load")
+    if routing not in ROUTING_POLICIES:
+        raise ConfigError(
+            f"{key}.routing",
+            f"unknown policy {routing!r}; expected one of {', '.join(ROUTING_POLICIES)}",
+        )
+    limits = _section(m, "limits", {"max_concurrency", "max_queue"}, key)
+    health = _section(
+        m, "health", {"canary_interval_s", "canary_timeout_s", "failure_threshold"}, key
+    )
+    discovery = _section(m, "discovery", {"dns", "interval_s"}, key)
+    dns = discovery.get("dns")
+    if dns is not None and (not isinstance(dns, str) or not _is_address(dns)):
+        raise ConfigError(f"{key}.discovery.dns", f"expected name:port, got {dns!r}")
     return ModelSpec(
         name=name,
         engine=engine,
@@ -209,7 +250,42 @@ def _parse_model(m: object, key: str) -> ModelSpec:
         replicas=replicas,
         engine_args=dict(engine_args),
         workers=tuple(workers_raw),
+        routing=routing,
+        max_concurrency=_number(limits, "max_concurrency", 256, f"{key}.limits", integer=True),
+        max_queue=_number(
+            limits, "max_queue", 1024, f"{key}.limits", integer=True, allow_zero=True
+        ),
+        canary_interval_s=_number(health, "canary_interval_s", 5.0, f"{key}.health"),
+        canary_timeout_s=_number(health, "canary_timeout_s", 2.0, f"{key}.health"),
+        failure_threshold=_number(health, "failure_threshold", 3, f"{key}.health", integer=True),
+        dns=dns,
+        dns_interval_s=_number(discovery, "interval_s", 10.0, f"{key}.discovery"),
     )
+
+
+def _section(m: dict[str, Any], name: str, allowed: set[str], key: str) -> dict[str, Any]:
+    sec = m.get(name, {})
+    if not isinstance(sec, dict):
+        raise ConfigError(f"{key}.{name}", "expected a mapping")
+    _no_unknown_keys(sec, allowed, f"{key}.{name}")
+    return sec
+
+
+def _number(
+    sec: dict[str, Any],
+    name: str,
+    default: Any,
+    key: str,
+    integer: bool = False,
+    allow_zero: bool = False,
+) -> Any:
+    v = sec.get(name, default)
+    ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok_type or not (v > 0 or (allow_zero and v == 0)):
+        kind = "an integer" if integer else "a number"
+        floor = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key}.{name}", f"expected {kind} {floor}, got {v!r}")
+    return v
 
 
 def _no_unknown_keys(d: dict[Any, Any], allowed: set[str], key: str) -> None:

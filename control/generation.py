@@ -1,13 +1,20 @@
-"""One generation, end to end: tokenize, route, stream from the worker, detokenize,
-match stop strings, and finish with exactly one `Final`.
+"""One generation, end to end: tokenize, admit, route, stream from a worker, detokenize,
+match stop strings, fail over, and finish with exactly one `Final`.
 
 `run_generation` is an async generator of public `GenerateResponse` messages; both
 `Generate` (streamed) and `Complete` (aggregated) consume it. Callers must close it
-(`contextlib.aclosing`) so that an abandoned stream cancels the worker call at once.
+(`contextlib.aclosing`) so that an abandoned stream cancels the worker call and frees its
+admission slot at once.
+
+Failover: a worker that fails before the first token is replaced invisibly. One that
+fails later is replaced too, and the new worker continues from the prompt plus the tokens
+generated so far, so the client sees one stream. With no worker left, the stream ends
+with UNAVAILABLE and a message, never a hang.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncGenerator, Sequence
 
@@ -19,7 +26,9 @@ from switchyard.worker.v1 import worker_pb2
 from control.errors import InvalidArgument, NoHealthyWorker, WorkerFailed
 from control.models import ModelEntry
 from control.params import GenerationParams
+from control.routing import RouteRequest
 from control.stops import StopMatcher
+from control.worker_client import WorkerClient
 
 log = structlog.get_logger(__name__)
 
@@ -27,23 +36,35 @@ FinishReason = common_pb2.FinishReason
 # Part of the client's deadline kept back so that TIME_LIMIT reaches the client in time.
 DEADLINE_MARGIN_S = 0.02
 PROMPT_CONTEXT_TOKENS = 5
+# Worker failures worth another worker: the process or connection went away, or the
+# engine broke. Anything else (a rejected request) is the client's to hear.
+_FAILOVER_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.ABORTED,
+    }
+)
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
 
 
 def build_worker_request(
-    params: GenerationParams, prompt_ids: Sequence[int], max_tokens: int
+    params: GenerationParams, prompt_ids: Sequence[int], max_tokens: int, min_tokens: int
 ) -> worker_pb2.GenerateRequest:
-    s = params.sampling
     sampling = common_pb2.SamplingParams()
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "seed",
-    ):
+    s = params.sampling
+    for name in _SAMPLING_FIELDS:
         value = getattr(s, name)
         if value is not None:
             setattr(sampling, name, value)
@@ -52,7 +73,7 @@ def build_worker_request(
         prompt_token_ids=prompt_ids,
         sampling=sampling,
         max_tokens=max_tokens,
-        min_tokens=params.min_tokens,
+        min_tokens=min_tokens,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
         priority=params.priority,
@@ -62,130 +83,230 @@ def build_worker_request(
     return req
 
 
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    return left - min(DEADLINE_MARGIN_S, max(left, 0.0) / 10)
+
+
 async def run_generation(
     entry: ModelEntry,
     params: GenerationParams,
     received_at: float,
     time_remaining: float | None,
 ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
-    tok = entry.tokenizer
+    deadline = None if time_remaining is None else time.monotonic() + time_remaining
     if params.prompt_ids is not None:
         prompt_ids = list(params.prompt_ids)
     else:
         assert params.prompt_text is not None
-        prompt_ids = tok.encode(params.prompt_text)
+        prompt_ids = entry.tokenizer.encode(params.prompt_text)
     max_tokens = entry.limits.bind(params, prompt_ids)
-    worker = entry.pick_worker()
-    wreq = build_worker_request(params, prompt_ids, max_tokens)
 
-    final = generation_pb2.Final(
-        request_id=params.request_id,
-        worker=worker.address,
-        engine=entry.info.label,
-    )
-    timeout: float | None = None
-    if time_remaining is not None:
-        timeout = time_remaining - min(DEADLINE_MARGIN_S, time_remaining / 10)
-        if timeout <= 0:
-            final.finish_reason = FinishReason.FINISH_REASON_TIME_LIMIT
-            final.usage.prompt_tokens = len(prompt_ids)
-            _set_timing(final, received_at, None)
-            yield generation_pb2.GenerateResponse(final=final)
-            return
-
-    detok = tok.detokenizer(prompt_ids[-PROMPT_CONTEXT_TOKENS:], params.skip_special_tokens)
-    matcher = StopMatcher(params.stop, include_stop=params.include_stop) if params.stop else None
-    want_logprobs = params.logprobs is not None
-    completion = 0
-    first_token_at: float | None = None
-    worker_final: worker_pb2.Final | None = None
-    stop_string: str | None = None
-
-    worker.in_flight += 1
-    call = worker.stub.Generate(wreq, timeout=timeout)
+    final = generation_pb2.Final(request_id=params.request_id, engine=entry.info.label)
+    final.usage.prompt_tokens = len(prompt_ids)
+    wait = _remaining(deadline)
     try:
-        async for resp in call:
-            if resp.WhichOneof("response") == "final":
-                worker_final = resp.final
-                break
-            wchunk = resp.chunk
-            ids = wchunk.token_ids
-            completion += len(ids)
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-            text = detok.push(ids)
-            if matcher is not None:
-                r = matcher.push(text)
-                text, stop_string = r.text, r.stop
-            chunk = generation_pb2.Chunk(text=text, token_ids=ids)
-            if want_logprobs:
-                _copy_logprobs(chunk, wchunk.logprobs, entry)
-            yield generation_pb2.GenerateResponse(chunk=chunk)
-            if stop_string is not None:
-                call.cancel()  # the worker aborts the engine request
-                break
-    except grpc.aio.AioRpcError as e:
-        code = e.code()
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            final.finish_reason = FinishReason.FINISH_REASON_TIME_LIMIT
-        elif completion == 0:
-            raise _worker_error(worker.address, e) from e
-        else:
-            final.finish_reason = FinishReason.FINISH_REASON_ERROR
-            final.error_message = f"worker {worker.address}: {code.name}: {e.details()}"
-            log.warning("worker failed mid-stream", worker=worker.address, code=code.name)
+        if wait is not None and wait <= 0:
+            raise TimeoutError
+        await entry.admission.acquire(params.priority, wait)
+    except TimeoutError:
+        final.finish_reason = FinishReason.FINISH_REASON_TIME_LIMIT
+        final.timing.queue_ms = (time.perf_counter() - received_at) * 1000.0
+        final.timing.total_ms = final.timing.queue_ms
+        yield generation_pb2.GenerateResponse(final=final)
+        return
+    try:
+        run = _Run(entry, params, prompt_ids, max_tokens, deadline, final)
+        final.timing.queue_ms = (time.perf_counter() - received_at) * 1000.0
+        async for msg in run.stream():
+            yield msg
+        final.timing.queue_ms += run.worker_queue_ms
+        if run.first_token_at is not None:
+            final.timing.time_to_first_token_ms = (run.first_token_at - received_at) * 1000.0
+        final.timing.total_ms = (time.perf_counter() - received_at) * 1000.0
+        yield generation_pb2.GenerateResponse(final=final)
     finally:
-        worker.in_flight -= 1
-        if not call.done():
-            call.cancel()
-
-    if worker_final is not None:
-        tail = detok.flush()
-        if matcher is not None:
-            r = matcher.push(tail)
-            tail, stop_string = r.text, r.stop
-            if stop_string is None:
-                tail += matcher.flush()
-        if tail:
-            yield generation_pb2.GenerateResponse(chunk=generation_pb2.Chunk(text=tail))
-        final.usage.CopyFrom(worker_final.usage)
-        final.timing.queue_ms = worker_final.queue_ms
-        if stop_string is None:
-            final.finish_reason = worker_final.finish_reason
-            which = worker_final.WhichOneof("stop_reason")
-            if which == "eos_token_id":
-                final.eos_token_id = worker_final.eos_token_id
-            elif which == "stop_token_id":
-                final.stop_token_id = worker_final.stop_token_id
-            if worker_final.error_message:
-                final.error_message = f"worker {worker.address}: {worker_final.error_message}"
-    else:
-        final.usage.prompt_tokens = len(prompt_ids)
-        final.usage.completion_tokens = completion
-    if stop_string is not None:
-        final.finish_reason = FinishReason.FINISH_REASON_STOP
-        final.stop_string = stop_string
-    _set_timing(final, received_at, first_token_at)
-    yield generation_pb2.GenerateResponse(final=final)
+        entry.admission.release()
 
 
-def _set_timing(final: generation_pb2.Final, received_at: float, first: float | None) -> None:
-    now = time.perf_counter()
-    if first is not None:
-        final.timing.time_to_first_token_ms = (first - received_at) * 1000.0
-    final.timing.total_ms = (now - received_at) * 1000.0
+class _Run:
+    """The worker attempts of one admitted request; fills `final` as it goes."""
 
+    def __init__(
+        self,
+        entry: ModelEntry,
+        params: GenerationParams,
+        prompt_ids: list[int],
+        max_tokens: int,
+        deadline: float | None,
+        final: generation_pb2.Final,
+    ) -> None:
+        self.entry = entry
+        self.params = params
+        self.prompt_ids = prompt_ids
+        self.max_tokens = max_tokens
+        self.deadline = deadline
+        self.final = final
+        self.generated: list[int] = []
+        self.first_token_at: float | None = None
+        self.worker_queue_ms = 0.0
+        self.detok = entry.tokenizer.detokenizer(
+            prompt_ids[-PROMPT_CONTEXT_TOKENS:], params.skip_special_tokens
+        )
+        self.matcher = (
+            StopMatcher(params.stop, include_stop=params.include_stop) if params.stop else None
+        )
 
-def _copy_logprobs(
-    chunk: generation_pb2.Chunk,
-    src: Sequence[common_pb2.TokenLogprob],
-    entry: ModelEntry,
-) -> None:
-    chunk.logprobs.extend(src)
-    decode = entry.tokenizer.decode
-    for lp in chunk.logprobs:
-        for top in lp.top:
-            top.token = decode([top.token_id], False)
+    async def stream(self) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
+        tried: list[WorkerClient] = []
+        while True:
+            remaining_tokens = self.max_tokens - len(self.generated)
+            route = RouteRequest(
+                prompt_ids=self.prompt_ids,
+                max_tokens=remaining_tokens,
+                kv_block_size=self.entry.info.kv_block_size or 16,
+            )
+            try:
+                worker = self.entry.pick_worker(route, exclude=tried)
+            except NoHealthyWorker as e:
+                if self.generated:
+                    raise NoHealthyWorker(
+                        f"{e}; the stream stopped after {len(self.generated)} tokens"
+                    ) from e
+                raise
+            self.final.worker = worker.address
+            failed = False
+            async with contextlib.aclosing(self._attempt(worker, remaining_tokens)) as attempt:
+                async for msg in attempt:
+                    if msg is None:  # this worker failed; another continues
+                        failed = True
+                        break
+                    if msg.HasField("final"):
+                        break
+                    yield msg
+            if not failed:
+                break
+            tried.append(worker)
+        if not self.final.stop_string:
+            tail = self._match(self.detok.flush(), final_piece=True)
+            if tail:
+                yield generation_pb2.GenerateResponse(chunk=generation_pb2.Chunk(text=tail))
+        self.final.usage.completion_tokens = len(self.generated)
+        if self.final.stop_string:
+            self.final.finish_reason = FinishReason.FINISH_REASON_STOP
+
+    def _match(self, text: str, final_piece: bool = False) -> str:
+        if self.matcher is None or self.final.stop_string:
+            return text
+        r = self.matcher.push(text)
+        if r.stop is not None:
+            self.final.stop_string = r.stop
+            return r.text
+        return r.text + (self.matcher.flush() if final_piece else "")
+
+    async def _attempt(
+        self, worker: WorkerClient, remaining_tokens: int
+    ) -> AsyncGenerator[generation_pb2.GenerateResponse | None, None]:
+        """Chunks from one worker; then a message with `final` set when the request is
+        over (the Final itself is filled in self.final), or None when the worker failed
+        and another should continue."""
+        p = self.params
+        context = self.prompt_ids + self.generated
+        wreq = build_worker_request(
+            p, context, remaining_tokens, max(0, p.min_tokens - len(self.generated))
+        )
+        timeout = _remaining(self.deadline)
+        if timeout is not None and timeout <= 0:
+            self.final.finish_reason = FinishReason.FINISH_REASON_TIME_LIMIT
+            yield generation_pb2.GenerateResponse(final=self.final)
+            return
+        want_logprobs = p.logprobs is not None
+        cost = len(context) + remaining_tokens
+        worker.in_flight += 1
+        worker.in_flight_tokens += cost
+        call = worker.stub.Generate(wreq, timeout=timeout)
+        worker_final: worker_pb2.Final | None = None
+        try:
+            async for resp in call:
+                if resp.WhichOneof("response") == "final":
+                    worker_final = resp.final
+                    break
+                wchunk = resp.chunk
+                ids = wchunk.token_ids
+                self.generated.extend(ids)
+                if self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
+                text = self._match(self.detok.push(ids))
+                chunk = generation_pb2.Chunk(text=text, token_ids=ids)
+                if want_logprobs:
+                    self._copy_logprobs(chunk, wchunk.logprobs)
+                yield generation_pb2.GenerateResponse(chunk=chunk)
+                if self.final.stop_string:
+                    call.cancel()  # the worker aborts the engine request
+                    yield generation_pb2.GenerateResponse(final=self.final)
+                    return
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.final.finish_reason = FinishReason.FINISH_REASON_TIME_LIMIT
+                yield generation_pb2.GenerateResponse(final=self.final)
+                return
+            if code not in _FAILOVER_CODES:
+                if not self.generated:
+                    raise _worker_error(worker.address, e) from e
+                self.final.finish_reason = FinishReason.FINISH_REASON_ERROR
+                self.final.error_message = f"worker {worker.address}: {code.name}: {e.details()}"
+                yield generation_pb2.GenerateResponse(final=self.final)
+                return
+            worker.breaker.record_failure()
+            log.warning(
+                "worker failed; failing over",
+                worker=worker.address,
+                code=code.name,
+                tokens_so_far=len(self.generated),
+                request_id=p.request_id,
+            )
+            yield None
+            return
+        finally:
+            worker.in_flight -= 1
+            worker.in_flight_tokens -= cost
+            if not call.done():
+                call.cancel()
+        if worker_final is None or worker_final.finish_reason == FinishReason.FINISH_REASON_ERROR:
+            worker.breaker.record_failure()
+            log.warning(
+                "worker ended the stream without finishing; failing over",
+                worker=worker.address,
+                error=worker_final.error_message if worker_final else "no final",
+            )
+            yield None
+            return
+        worker.breaker.record_success()
+        self._take_final(worker_final)
+        yield generation_pb2.GenerateResponse(final=self.final)
+
+    def _take_final(self, wf: worker_pb2.Final) -> None:
+        f = self.final
+        f.finish_reason = wf.finish_reason
+        f.usage.cached_prompt_tokens = wf.usage.cached_prompt_tokens
+        self.worker_queue_ms += wf.queue_ms
+        which = wf.WhichOneof("stop_reason")
+        if which == "eos_token_id":
+            f.eos_token_id = wf.eos_token_id
+        elif which == "stop_token_id":
+            f.stop_token_id = wf.stop_token_id
+
+    def _copy_logprobs(
+        self, chunk: generation_pb2.Chunk, src: Sequence[common_pb2.TokenLogprob]
+    ) -> None:
+        chunk.logprobs.extend(src)
+        decode = self.entry.tokenizer.decode
+        for lp in chunk.logprobs:
+            for top in lp.top:
+                top.token = decode([top.token_id], False)
 
 
 def _worker_error(address: str, e: grpc.aio.AioRpcError) -> Exception:
@@ -193,6 +314,4 @@ def _worker_error(address: str, e: grpc.aio.AioRpcError) -> Exception:
     details = e.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidArgument.one("request", f"rejected by worker {address}: {details}")
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return NoHealthyWorker(f"worker {address} is unavailable: {details}")
     return WorkerFailed(address, f"{code.name}: {details}")

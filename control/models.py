@@ -1,13 +1,16 @@
-"""The models the control plane serves: each with its tokenizer, limits and workers."""
+"""The models the control plane serves: each with its tokenizer, limits, admission,
+routing policy and workers."""
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from control.admission import Admission
 from control.config import ModelSpec
 from control.errors import ModelNotFound, NoHealthyWorker
 from control.params import ModelLimits
+from control.routing import Policy, RouteRequest, make_policy
 from control.tokenizer import Tokenizer
 from control.worker_client import WorkerClient, WorkerInfo
 
@@ -18,7 +21,13 @@ class ModelEntry:
     tokenizer: Tokenizer
     info: WorkerInfo
     workers: list[WorkerClient] = field(default_factory=list)
-    _rr: itertools.count[int] = field(default_factory=itertools.count)
+    policy: Policy = field(init=False)
+    admission: Admission = field(init=False)
+    accepting: bool = True  # False while the model is being unloaded
+
+    def __post_init__(self) -> None:
+        self.policy = make_policy(self.spec.routing)
+        self.admission = Admission(self.spec.name, self.spec.max_concurrency, self.spec.max_queue)
 
     @property
     def name(self) -> str:
@@ -31,16 +40,20 @@ class ModelEntry:
     def healthy_workers(self) -> list[WorkerClient]:
         return [w for w in self.workers if w.healthy]
 
-    def pick_worker(self) -> WorkerClient:
-        """Least in-flight requests among healthy workers, round-robin on ties."""
-        healthy = self.healthy_workers()
-        if not healthy:
+    def pick_worker(
+        self, request: RouteRequest, exclude: Collection[WorkerClient] = ()
+    ) -> WorkerClient:
+        """Health and circuit filtering first, then the model's policy."""
+        candidates = [w for w in self.workers if w.healthy and w not in exclude]
+        if not candidates:
+            tried = f", {len(exclude)} already failed this request" if exclude else ""
             raise NoHealthyWorker(
-                f"model {self.name!r} has no healthy worker ({len(self.workers)} configured)"
+                f"model {self.name!r} has no healthy worker "
+                f"({len(self.healthy_workers())} of {len(self.workers)} healthy{tried})"
             )
-        start = next(self._rr) % len(healthy)
-        rotated = healthy[start:] + healthy[:start]
-        return min(rotated, key=lambda w: w.in_flight)
+        chosen = self.policy.choose(candidates, request)
+        assert isinstance(chosen, WorkerClient)
+        return chosen
 
 
 class ModelRegistry:
@@ -50,11 +63,17 @@ class ModelRegistry:
     def add(self, entry: ModelEntry) -> None:
         self._models[entry.name] = entry
 
+    def remove(self, name: str) -> ModelEntry | None:
+        return self._models.pop(name, None)
+
     def get(self, name: str) -> ModelEntry:
         entry = self._models.get(name)
-        if entry is None:
-            raise ModelNotFound(name, sorted(self._models))
+        if entry is None or not entry.accepting:
+            raise ModelNotFound(name, sorted(n for n, e in self._models.items() if e.accepting))
         return entry
+
+    def find(self, name: str) -> ModelEntry | None:
+        return self._models.get(name)
 
     def all(self) -> list[ModelEntry]:
         return list(self._models.values())

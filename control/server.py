@@ -23,7 +23,7 @@ from control.servicer import GenerationServicer
 from control.supervisor import LocalWorker, free_port, worker_command
 from control.tinymodel import ensure_tiny_model
 from control.tokenizer import Tokenizer
-from control.worker_client import WorkerClient, WorkerInfo
+from control.worker_client import HealthPolicy, WorkerClient, WorkerInfo
 
 log = structlog.get_logger(__name__)
 
@@ -49,6 +49,8 @@ class ControlPlane:
             ]
         )
         self.local_workers: list[LocalWorker] = []
+        self._model_status: dict[str, int] = {}
+        self._health_task: asyncio.Task[None] | None = None
         self.clients: list[WorkerClient] = []
         self.port = 0
 
@@ -68,9 +70,32 @@ class ControlPlane:
         await self.server.start()
         log.info("listening", address=self.config.listen, health="NOT_SERVING until ready")
         await asyncio.gather(*(self._load_model(spec) for spec in self.config.models))
-        for name in ("", GENERATION_SERVICE):
-            await self.health.set(name, SERVING)
+        await self._update_health()
+        self._health_task = asyncio.create_task(self._health_loop(), name="model health")
         log.info("serving", address=self.config.listen, models=[m.name for m in self.config.models])
+
+    async def _update_health(self) -> None:
+        """Per model: SERVING while it has a healthy worker. Overall (and the Generation
+        service): SERVING while any model does."""
+        any_healthy = False
+        for entry in self.registry.all():
+            healthy = bool(entry.healthy_workers())
+            any_healthy = any_healthy or healthy
+            status = SERVING if healthy else NOT_SERVING
+            if self._model_status.get(entry.name) != status:
+                self._model_status[entry.name] = status
+                await self.health.set(entry.name, status)
+                log.info("model health", model=entry.name, serving=healthy)
+        overall = SERVING if any_healthy else NOT_SERVING
+        if self._model_status.get("") != overall:
+            self._model_status[""] = overall
+            for name in ("", GENERATION_SERVICE):
+                await self.health.set(name, overall)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            await self._update_health()
 
     async def _load_model(self, spec: ModelSpec) -> None:
         model_path = spec.model
@@ -90,7 +115,12 @@ class ControlPlane:
                 starting.append(lw)
                 addresses.append(lw.address)
             self.local_workers += starting
-        clients = [WorkerClient(a) for a in addresses]
+        policy = HealthPolicy(
+            canary_interval_s=spec.canary_interval_s,
+            canary_timeout_s=spec.canary_timeout_s,
+            failure_threshold=spec.failure_threshold,
+        )
+        clients = [WorkerClient(a, policy) for a in addresses]
         self.clients += clients
         log.info("loading model", model=spec.name, engine=spec.engine, workers=addresses)
         infos = await asyncio.gather(*(self._wait_worker(c, starting) for c in clients))
@@ -125,6 +155,8 @@ class ControlPlane:
 
     async def stop(self, grace: float = 10.0) -> None:
         log.info("shutting down", grace_s=grace)
+        if self._health_task is not None:
+            self._health_task.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await asyncio.gather(*(w.stop() for w in self.local_workers), return_exceptions=True)

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass
 
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
+
+from control.circuit import CircuitBreaker
 
 log = structlog.get_logger(__name__)
 
@@ -55,21 +58,56 @@ class WorkerNotReady(Exception):
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class HealthPolicy:
+    canary_interval_s: float = 5.0
+    canary_timeout_s: float = 2.0
+    failure_threshold: int = 3
+
+
 class WorkerClient:
-    def __init__(self, address: str) -> None:
+    """A worker as the control plane sees it; also a routing `Candidate`."""
+
+    def __init__(self, address: str, health: HealthPolicy | None = None) -> None:
         self.address = address
+        self.health_policy = health or HealthPolicy()
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.info: WorkerInfo | None = None
         self.serving = False
+        self.draining = False
         self.in_flight = 0
+        self.in_flight_tokens = 0
         self.load = Load()
+        self.breaker = CircuitBreaker(failure_threshold=self.health_policy.failure_threshold)
+        self.last_canary_ms: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def healthy(self) -> bool:
-        return self.serving and self.info is not None
+        """Eligible for new requests: SERVING, known, circuit closed, not draining."""
+        return (
+            self.serving
+            and self.info is not None
+            and not self.draining
+            and self.breaker.allows_traffic()
+        )
+
+    @property
+    def running(self) -> int:
+        return self.load.running
+
+    @property
+    def waiting(self) -> int:
+        return self.load.waiting
+
+    def state(self) -> str:
+        if self.draining:
+            return "draining"
+        if not self.serving:
+            return "not_serving"
+        return self.breaker.state.value
 
     async def check_serving(self, timeout: float = 2.0) -> bool:
         try:
@@ -115,7 +153,46 @@ class WorkerClient:
             self._tasks = [
                 asyncio.create_task(self._watch_health(), name=f"health {self.address}"),
                 asyncio.create_task(self._watch_load(), name=f"load {self.address}"),
+                asyncio.create_task(self._canary(), name=f"canary {self.address}"),
             ]
+
+    async def _canary(self) -> None:
+        """A one-token generation every interval: a worker whose process lives but whose
+        engine hangs stops answering it, and its circuit opens."""
+        policy = self.health_policy
+        while True:
+            await asyncio.sleep(policy.canary_interval_s)
+            if not self.serving or self.info is None:
+                continue
+            ok = await self.probe(policy.canary_timeout_s)
+            if ok:
+                if not self.breaker.allows_traffic():
+                    log.info("worker canary passed; circuit closed", worker=self.address)
+                self.breaker.record_success()
+            else:
+                was = self.breaker.allows_traffic()
+                self.breaker.record_failure()
+                if was and not self.breaker.allows_traffic():
+                    log.warning("worker ejected: canary failing", worker=self.address)
+
+    async def probe(self, timeout: float) -> bool:
+        assert self.info is not None
+        first = self.info.eos_token_ids[0] if self.info.eos_token_ids else 0
+        req = worker_pb2.GenerateRequest(
+            request_id=f"canary-{uuid.uuid4().hex[:12]}",
+            prompt_token_ids=[first],
+            max_tokens=1,
+            ignore_eos=True,
+        )
+        started = time.monotonic()
+        try:
+            async for resp in self.stub.Generate(req, timeout=timeout):
+                if resp.HasField("final"):
+                    self.last_canary_ms = (time.monotonic() - started) * 1000
+                    return True
+        except grpc.aio.AioRpcError:
+            return False
+        return False
 
     async def _watch_health(self) -> None:
         backoff = 0.2

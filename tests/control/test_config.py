@@ -67,6 +67,15 @@ def test_full_model_spec(tmp_path: Path) -> None:
             "models[0].engine_args.max_model_len",
         ),
         ({"models": [model(engine="trtllm", model="/no/engine")]}, "models[0].model"),
+        ({"models": [model(routing="fastest")]}, "models[0].routing"),
+        ({"models": [model(limits={"max_queue": -1})]}, "models[0].limits.max_queue"),
+        ({"models": [model(limits={"max_concurrency": 0})]}, "models[0].limits.max_concurrency"),
+        ({"models": [model(limits={"burst": 3})]}, "models[0].limits.burst"),
+        (
+            {"models": [model(health={"canary_interval_s": "often"})]},
+            "models[0].health.canary_interval_s",
+        ),
+        ({"models": [model(discovery={"dns": "no-port"})]}, "models[0].discovery.dns"),
         (
             {"models": [model(engine="sim", engine_args={"kv_blocks": 0})]},
             "models[0].engine_args.kv_blocks",

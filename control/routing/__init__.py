@@ -1,0 +1,38 @@
+"""Routing policies: which of a model's eligible workers takes a request.
+
+Health and circuit filtering happen before a policy runs; a policy only ranks the
+candidates it is given (never empty). One policy per file, all behind `Policy`:
+
+- `round_robin`: in turn.
+- `least_load`: the lowest load score (worker-reported running and waiting requests plus
+  the control plane's own in-flight requests and tokens).
+- `power_of_two`: the less loaded of two random candidates.
+- `prefix_affinity`: the worker chosen by a hash of the prompt's first KV-cache blocks, so
+  repeated prefixes reach the worker that has them cached; least load when that worker is
+  busy.
+"""
+
+from __future__ import annotations
+
+from control.routing.base import Candidate, Policy, RouteRequest, load_score
+from control.routing.least_load import LeastLoad
+from control.routing.power_of_two import PowerOfTwo
+from control.routing.prefix_affinity import PrefixAffinity
+from control.routing.round_robin import RoundRobin
+
+POLICIES: dict[str, type[Policy]] = {
+    "round_robin": RoundRobin,
+    "least_load": LeastLoad,
+    "power_of_two": PowerOfTwo,
+    "prefix_affinity": PrefixAffinity,
+}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}") from None
+
+
+__all__ = ["POLICIES", "Candidate", "Policy", "RouteRequest", "load_score", "make_policy"]
