@@ -155,7 +155,7 @@ def parse_config(raw: object) -> ServeConfig:
     models: list[ModelSpec] = []
     seen: set[str] = set()
     for i, m in enumerate(models_raw):
-        spec = _parse_model(m, f"models[{i}]")
+        spec = parse_model(m, f"models[{i}]")
         if spec.name in seen:
             raise ConfigError(f"models[{i}].name", f"duplicate model name {spec.name!r}")
         seen.add(spec.name)
@@ -163,7 +163,7 @@ def parse_config(raw: object) -> ServeConfig:
     return ServeConfig(listen=listen, models=tuple(models))
 
 
-def _parse_model(m: object, key: str) -> ModelSpec:
+def parse_model(m: object, key: str) -> ModelSpec:
     if not isinstance(m, dict):
         raise ConfigError(key, "expected a mapping")
     _no_unknown_keys(
@@ -205,7 +205,9 @@ def _parse_model(m: object, key: str) -> ModelSpec:
             raise ConfigError(
                 f"{key}.model", f"unknown builtin model {model!r}; known: builtin:tiny"
             )
-    elif engine != "sim" and not workers_raw and not Path(model).is_dir():
+    elif (
+        engine != "sim" and not workers_raw and not m.get("discovery") and not Path(model).is_dir()
+    ):
         raise ConfigError(f"{key}.model", f"model directory {model!r} does not exist")
     if engine == "sim" and not model.startswith(BUILTIN_PREFIX) and m.get("tokenizer") is None:
         raise ConfigError(

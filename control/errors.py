@@ -67,6 +67,18 @@ class DeadlineExceeded(SwitchyardError):
     pass
 
 
+class AlreadyExists(SwitchyardError):
+    pass
+
+
+class NotFound(SwitchyardError):
+    """An operator named something that is not there (a model to unload, a worker)."""
+
+
+class LoadFailed(SwitchyardError):
+    pass
+
+
 _CODES: dict[type[SwitchyardError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
@@ -74,6 +86,9 @@ _CODES: dict[type[SwitchyardError], grpc.StatusCode] = {
     NoHealthyWorker: grpc.StatusCode.UNAVAILABLE,
     WorkerFailed: grpc.StatusCode.INTERNAL,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    LoadFailed: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

@@ -11,6 +11,7 @@ from control.config import ModelSpec
 from control.errors import ModelNotFound, NoHealthyWorker
 from control.params import ModelLimits
 from control.routing import Policy, RouteRequest, make_policy
+from control.supervisor import LocalWorker
 from control.tokenizer import Tokenizer
 from control.worker_client import WorkerClient, WorkerInfo
 
@@ -24,6 +25,7 @@ class ModelEntry:
     policy: Policy = field(init=False)
     admission: Admission = field(init=False)
     accepting: bool = True  # False while the model is being unloaded
+    local: list[LocalWorker] = field(default_factory=list)  # processes started for it
 
     def __post_init__(self) -> None:
         self.policy = make_policy(self.spec.routing)

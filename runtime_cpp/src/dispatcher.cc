@@ -41,6 +41,7 @@ void Dispatcher::remove(RequestId id) {
   if (it == streams_.end()) return;
   if (!it->second.name.empty()) names_.erase(it->second.name);
   streams_.erase(it);
+  dropped_.insert(id);  // its final has not come yet
 }
 
 std::optional<RequestId> Dispatcher::find(const std::string& name) const {
@@ -58,7 +59,15 @@ std::size_t Dispatcher::in_flight() const {
 void Dispatcher::loop() {
   std::vector<std::pair<std::shared_ptr<StreamSink>, GenResponse>> work;
   while (!stop_.load()) {
-    std::vector<GenResponse> responses = executor_.await_responses(poll_);  // no lock held
+    std::vector<GenResponse> responses;
+    try {
+      responses = executor_.await_responses(poll_);  // no lock held
+    } catch (const std::exception&) {
+      // A failing engine must not take this thread down; streams hear of it through
+      // their own calls, or time out.
+      std::this_thread::sleep_for(poll_);
+      continue;
+    }
     work.clear();
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -67,6 +76,10 @@ void Dispatcher::loop() {
       const auto now = std::chrono::steady_clock::now();
       for (auto& r : responses) {
         auto it = streams_.find(r.id);
+        if (it == streams_.end() && dropped_.count(r.id)) {
+          if (r.is_final) dropped_.erase(r.id);
+          continue;
+        }
         if (it == streams_.end()) {
           auto& p = parked_[r.id];
           if (p.responses.empty()) p.since = now;
@@ -84,7 +97,13 @@ void Dispatcher::loop() {
         it = now - it->second.since > kParkedTtl ? parked_.erase(it) : std::next(it);
       }
     }
-    for (auto& [sink, r] : work) sink->on_response(std::move(r));  // no lock held
+    for (auto& [sink, r] : work) {
+      try {
+        sink->on_response(std::move(r));  // no lock held
+      } catch (const std::exception&) {
+        // A stream that cannot take its response is lost; the others go on.
+      }
+    }
   }
 }
 

@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "executor.h"
@@ -59,6 +60,8 @@ class Dispatcher {
   std::unordered_map<RequestId, Entry> streams_;
   std::unordered_map<std::string, RequestId> names_;
   std::unordered_map<RequestId, Parked> parked_;
+  // Streams that went away before their final: their later responses are dropped.
+  std::unordered_set<RequestId> dropped_;
   std::vector<std::pair<std::shared_ptr<StreamSink>, GenResponse>> redeliver_;
   std::atomic<bool> stop_{false};
   std::thread thread_;  // last member: starts after the others exist

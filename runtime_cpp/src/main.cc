@@ -135,9 +135,11 @@ int main(int argc, char** argv) {
 
   Args args;
   std::unique_ptr<Executor> executor;
+  double grace_s = 10;
   try {
     args = parse(argc, argv);
     if (!args.kv.count("port")) throw std::invalid_argument("--port is required");
+    grace_s = args.num("grace-s", grace_s);
     log("loading engine", "engine=" + args.get("engine", "sim"));
     executor = make_executor(args);
   } catch (const std::exception& e) {
@@ -145,7 +147,6 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string address = args.get("host", "127.0.0.1") + ":" + args.get("port", "");
-  const double grace_s = args.num("grace-s", 10);
 
   {
     switchyard::rt::Dispatcher dispatcher(*executor);
@@ -180,10 +181,10 @@ int main(int argc, char** argv) {
     service.start_drain();
     const auto drain_until = std::chrono::steady_clock::now() +
                              std::chrono::milliseconds(static_cast<long>(grace_s * 1000));
-    while (dispatcher.in_flight() > 0 && std::chrono::steady_clock::now() < drain_until) {
+    while (service.live_streams() > 0 && std::chrono::steady_clock::now() < drain_until) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
-    log("drained", "in_flight=" + std::to_string(dispatcher.in_flight()));
+    log("drained", "streams_left=" + std::to_string(service.live_streams()));
     // Whatever is left (streams past the grace, health watches, load streams) is
     // cancelled now; a cancelled Generate cancels its executor request in OnCancel.
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));

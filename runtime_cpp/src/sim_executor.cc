@@ -170,7 +170,9 @@ void SimExecutor::shutdown() {
   }
   work_cv_.notify_all();
   out_cv_.notify_all();
-  if (!was && thread_.joinable()) thread_.join();
+  (void)was;
+  std::lock_guard<std::mutex> join(join_mu_);  // concurrent callers all return after the join
+  if (thread_.joinable()) thread_.join();
 }
 
 double SimExecutor::clock_ms_locked() const {
@@ -183,6 +185,9 @@ double SimExecutor::now_us() const {
 }
 
 double SimExecutor::step() {
+  if (!config_.virtual_clock) {
+    throw std::logic_error("step() drives a virtual-clock simulator; this one runs its own thread");
+  }
   std::vector<GenResponse> out;
   double cost;
   {

@@ -60,8 +60,8 @@ class SimExecutor final : public Executor {
   EngineInfo info() const override;
   void shutdown() override;
 
-  // Virtual-clock mode: run one iteration now; returns its modeled cost in microseconds
-  // (0 when there was nothing to do). Also usable in real-time mode for tests.
+  // Virtual-clock mode only: run one iteration now; returns its modeled cost in
+  // microseconds (0 when there was nothing to do). Throws std::logic_error in real time.
   double step();
   // Virtual time in microseconds (sum of the costs of all iterations so far).
   double now_us() const;
@@ -119,6 +119,7 @@ class SimExecutor final : public Executor {
   std::vector<GenResponse> out_;
 
   std::atomic<bool> stopped_{false};
+  std::mutex join_mu_;
   const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   std::thread thread_;  // last: started after everything else is built
 };

@@ -1,5 +1,6 @@
 #include "translate.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace switchyard::rt {
@@ -101,7 +102,11 @@ bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, doub
   out->pad_id = out->end_id;
   out->streaming = true;
   if (in.has_logprobs()) {
-    if (in.logprobs() > 20) return bad(error, "logprobs", "at most 20");
+    if (in.logprobs() > 0) {
+      return bad(error, "logprobs",
+                 "this worker returns the sampled token's log probability only; "
+                 "top-n alternatives are not supported (ask for 0)");
+    }
     out->return_logprobs = true;
   }
   out->priority = in.priority();
@@ -135,17 +140,25 @@ void append_chunk(const GenResponse& r, wv1::Chunk* chunk) {
   return W::FINISH_REASON_ERROR;
 }
 
-void fill_final(const GenResponse& r, std::int32_t completion_tokens, wv1::Final* out) {
+void fill_final(const GenResponse& r, std::int32_t completion_tokens,
+                std::optional<TokenId> last_token, const std::vector<TokenId>& eos_ids,
+                wv1::Final* out) {
   if (!r.error.empty()) {
     out->set_finish_reason(::switchyard::v1::FINISH_REASON_ERROR);
     out->set_error_message(r.error);
   } else {
     out->set_finish_reason(to_wire(r.finish));
   }
-  if (!r.tokens.empty()) {
-    auto last = static_cast<std::uint32_t>(r.tokens.back());
-    if (r.finish == FinishReason::kEndId) out->set_eos_token_id(last);
-    if (r.finish == FinishReason::kStopWords) out->set_stop_token_id(last);
+  if (!r.tokens.empty()) last_token = r.tokens.back();
+  if (last_token && (r.finish == FinishReason::kEndId || r.finish == FinishReason::kStopWords)) {
+    const bool is_eos =
+        std::find(eos_ids.begin(), eos_ids.end(), *last_token) != eos_ids.end();
+    // Extra EOS ids travel as stop words; they are still the model's end of sequence.
+    if (r.finish == FinishReason::kEndId || is_eos) {
+      out->set_eos_token_id(static_cast<std::uint32_t>(*last_token));
+    } else {
+      out->set_stop_token_id(static_cast<std::uint32_t>(*last_token));
+    }
   }
   auto* usage = out->mutable_usage();
   usage->set_prompt_tokens(static_cast<std::uint32_t>(r.prompt_tokens));

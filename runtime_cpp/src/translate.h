@@ -25,8 +25,11 @@ bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, doub
 // Appends tokens (and logprobs) of one engine response to a chunk being coalesced.
 void append_chunk(const GenResponse& r, wv1::Chunk* chunk);
 
-// Fills the final message of a request from its last engine response.
-void fill_final(const GenResponse& r, std::int32_t completion_tokens, wv1::Final* out);
+// Fills the final message of a request from its last engine response; `last_token` is the
+// last token the stream carried, `eos_ids` the model's end-of-sequence ids.
+void fill_final(const GenResponse& r, std::int32_t completion_tokens,
+                std::optional<TokenId> last_token, const std::vector<TokenId>& eos_ids,
+                wv1::Final* out);
 
 ::switchyard::v1::FinishReason to_wire(FinishReason reason);
 

@@ -33,7 +33,7 @@ tle::ExecutorConfig executor_config(const TrtllmOptions& o) {
   config.setSchedulerConfig(scheduler_config(o.scheduler_policy));
   config.setKvCacheConfig(kv);
   config.setEnableChunkedContext(o.enable_chunked_context);
-  config.setIterStatsMaxIterations(64);
+  config.setIterStatsMaxIterations(1000);
   return config;
 }
 
@@ -92,6 +92,7 @@ RequestId TrtllmExecutor::enqueue(const GenRequest& r) {
   tle::OutputConfig output;
   output.returnLogProbs = r.return_logprobs;
   output.excludeInputFromOutput = true;
+  output.returnPerfMetrics = true;  // for the queue time
   tle::Request request(tle::VecTokens(r.prompt.begin(), r.prompt.end()), r.max_tokens,
                        r.streaming, sampling_config(r.sampling), output);
   if (r.end_id) {
@@ -111,6 +112,7 @@ RequestId TrtllmExecutor::enqueue(const GenRequest& r) {
   try {
     id = executor_->enqueueRequest(request);
   } catch (const std::exception& e) {
+    if (!can_enqueue()) throw std::runtime_error(std::string("engine unavailable: ") + e.what());
     throw InvalidRequest("request", e.what());
   }
   std::lock_guard<std::mutex> lock(prompt_mu_);
@@ -171,9 +173,9 @@ void TrtllmExecutor::cancel(RequestId id) {
 std::optional<IterationStats> TrtllmExecutor::latest_stats() {
   if (shut_down_.load()) return std::nullopt;
   // getLatestIterationStats drains what accumulated since the last call; keep the newest.
-  std::deque<tle::IterationStats> fresh = executor_->getLatestIterationStats();
+  std::deque<tle::IterationStats> fresh = executor_->getLatestIterationStats();  // no lock held
   std::lock_guard<std::mutex> lock(stats_mu_);
-  if (!fresh.empty()) {
+  if (!fresh.empty() && (!stats_ || static_cast<std::uint64_t>(fresh.back().iter) > stats_->iteration)) {
     const tle::IterationStats& s = fresh.back();
     IterationStats out;
     out.iteration = static_cast<std::uint64_t>(s.iter);
@@ -186,6 +188,9 @@ std::optional<IterationStats> TrtllmExecutor::latest_stats() {
       out.kv_blocks_max = s.kvCacheStats->maxNumBlocks;
       out.tokens_per_block = s.kvCacheStats->tokensPerBlock;
     }
+    // One token per request in the generation phase per iteration (beam width 1, no
+    // speculative decoding). Iterations beyond iterStatsMaxIterations between two polls
+    // are not seen.
     std::uint64_t generated = stats_ ? stats_->generated_tokens_total : 0;
     for (const auto& it : fresh) {
       if (it.inflightBatchingStats) {

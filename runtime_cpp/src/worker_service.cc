@@ -25,8 +25,10 @@ double ms_since(Clock::time_point t) {
 class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateResponse>,
                               public StreamSink {
  public:
-  GenerateReactor(Executor& executor, Dispatcher& dispatcher)
-      : executor_(executor), dispatcher_(dispatcher) {}
+  GenerateReactor(Executor& executor, Dispatcher& dispatcher, std::atomic<int>& live)
+      : executor_(executor), dispatcher_(dispatcher), live_(live) {
+    live_.fetch_add(1);
+  }
 
   // Enqueues the request, or finishes the RPC with the error.
   void start(grpc::CallbackServerContext* ctx, const wv1::GenerateRequest& req,
@@ -47,6 +49,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
       return;
     }
     name_ = req.request_id();
+    eos_ids_ = info.eos_token_ids;
     try {
       id_ = executor_.enqueue(gen);  // no lock held
     } catch (const InvalidRequest& e) {
@@ -57,7 +60,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
       return;
     }
     if (!dispatcher_.add(id_, name_, self_)) {
-      executor_.cancel(id_);
+      cancel_quietly();
       finish_now(grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
                               "request_id " + name_ + " is already in flight"));
       return;
@@ -75,6 +78,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
     std::unique_lock<std::mutex> lock(mu_);
     if (finished_) return;
     if (first_token_ms_ < 0 && !r.tokens.empty()) first_token_ms_ = ms_since(started_);
+    if (!r.tokens.empty()) last_token_ = r.tokens.back();
     completion_tokens_ += static_cast<std::int32_t>(r.tokens.size());
     append_chunk(r, pending_.mutable_chunk());
     if (r.is_final) {
@@ -93,7 +97,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
   }
 
   void OnCancel() override {
-    if (enqueued_.load()) executor_.cancel(id_);  // at once; no lock held
+    if (enqueued_.load()) cancel_quietly();  // at once; no lock held
     std::unique_lock<std::mutex> lock(mu_);
     cancelled_ = true;
     if (!write_in_flight_) write_next_locked(lock);
@@ -101,6 +105,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
 
   void OnDone() override {
     if (enqueued_.load()) dispatcher_.remove(id_);
+    live_.fetch_sub(1);
     std::shared_ptr<GenerateReactor> keep;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -123,7 +128,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
       pending_.Clear();
     } else if (final_) {
       out_.Clear();
-      fill_final(*final_, completion_tokens_, out_.mutable_final());
+      fill_final(*final_, completion_tokens_, last_token_, eos_ids_, out_.mutable_final());
       out_.mutable_final()->set_time_to_first_token_ms(first_token_ms_ < 0 ? 0 : first_token_ms_);
       final_.reset();
       final_sent_ = true;
@@ -140,6 +145,14 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
     StartWrite(&out_);
   }
 
+  void cancel_quietly() {
+    try {
+      executor_.cancel(id_);
+    } catch (const std::exception&) {
+      // The engine is going away; its requests go with it.
+    }
+  }
+
   void finish_now(const grpc::Status& status) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -150,6 +163,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
 
   Executor& executor_;
   Dispatcher& dispatcher_;
+  std::atomic<int>& live_;
   std::shared_ptr<GenerateReactor> self_;  // held until OnDone
   const Clock::time_point started_ = Clock::now();
   RequestId id_ = 0;
@@ -161,6 +175,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
   wv1::GenerateResponse out_;      // the message being written
   std::unique_ptr<GenResponse> final_;
   std::int32_t completion_tokens_ = 0;
+  std::optional<TokenId> last_token_;
+  std::vector<TokenId> eos_ids_;
   double first_token_ms_ = -1;
   bool write_in_flight_ = false;
   bool final_sent_ = false;
@@ -168,54 +184,54 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
   bool finished_ = false;
 };
 
-class LoadReactor final : public grpc::ServerWriteReactor<wv1::LoadReport> {
+// One StreamLoad call. The service's ticker thread starts each write when the report is
+// due; like GenerateReactor, the decision is made under `mu_` and gRPC is called after.
+class LoadReactor final : public grpc::ServerWriteReactor<wv1::LoadReport>, public LoadStream {
  public:
-  LoadReactor(WorkerService& service, std::uint32_t interval_ms)
-      : service_(service), interval_(std::chrono::milliseconds(std::max(10u, interval_ms))) {
-    send();
+  LoadReactor(WorkerService& service, std::chrono::milliseconds interval)
+      : service_(service), interval_(interval) {}
+
+  void attach(std::shared_ptr<LoadReactor> self) { self_ = std::move(self); }
+
+  // Ticker thread.
+  void tick(std::chrono::steady_clock::time_point now) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_ || cancelled_ || write_pending_ || now < due_) return;
+      write_pending_ = true;
+      due_ = now + interval_;
+    }
+    try {
+      service_.fill_load(&report_);
+    } catch (const std::exception&) {
+      report_.Clear();  // an empty report beats a dead stream
+    }
+    StartWrite(&report_);
   }
 
   void OnWriteDone(bool ok) override {
     std::unique_lock<std::mutex> lock(mu_);
     write_pending_ = false;
     if (!ok) cancelled_ = true;
-    if (cancelled_) return maybe_finish(lock);
-    alarm_pending_ = true;
-    lock.unlock();
-    alarm_.Set(std::chrono::system_clock::now() + interval_, [this](bool fired) {
-      std::unique_lock<std::mutex> l(mu_);
-      alarm_pending_ = false;
-      if (!fired || cancelled_) return maybe_finish(l);
-      l.unlock();
-      send();
-    });
+    maybe_finish(lock);
   }
 
   void OnCancel() override {
     std::unique_lock<std::mutex> lock(mu_);
     cancelled_ = true;
-    if (alarm_pending_) {
-      lock.unlock();
-      alarm_.Cancel();  // its callback runs with fired=false and finishes
-      return;
-    }
     maybe_finish(lock);
   }
 
-  void OnDone() override { delete this; }
-
- private:
-  void send() {
-    service_.fill_load(&report_);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      write_pending_ = true;
-    }
-    StartWrite(&report_);
+  void OnDone() override {
+    service_.remove_load_stream(this);
+    std::shared_ptr<LoadReactor> keep;
+    std::lock_guard<std::mutex> lock(mu_);
+    keep.swap(self_);
   }
 
+ private:
   void maybe_finish(std::unique_lock<std::mutex>& lock) {
-    if (finished_ || write_pending_ || alarm_pending_) return;
+    if (finished_ || write_pending_ || !cancelled_) return;
     finished_ = true;
     lock.unlock();
     Finish(grpc::Status(grpc::StatusCode::CANCELLED, "load stream cancelled"));
@@ -223,11 +239,11 @@ class LoadReactor final : public grpc::ServerWriteReactor<wv1::LoadReport> {
 
   WorkerService& service_;
   const std::chrono::milliseconds interval_;
-  grpc::Alarm alarm_;
-  wv1::LoadReport report_;
+  std::shared_ptr<LoadReactor> self_;  // held until OnDone
+  wv1::LoadReport report_;             // touched only while a write is being started
   std::mutex mu_;
+  std::chrono::steady_clock::time_point due_{};
   bool write_pending_ = false;
-  bool alarm_pending_ = false;
   bool cancelled_ = false;
   bool finished_ = false;
 };
@@ -248,11 +264,12 @@ grpc::Status invalid_argument(const std::string& field, const std::string& messa
 }
 
 WorkerService::WorkerService(Executor& executor, Dispatcher& dispatcher)
-    : executor_(executor), dispatcher_(dispatcher), info_(executor.info()) {}
+    : executor_(executor), dispatcher_(dispatcher), info_(executor.info()),
+      ticker_([this] { ticker(); }) {}
 
 grpc::ServerWriteReactor<wv1::GenerateResponse>* WorkerService::Generate(
     grpc::CallbackServerContext* context, const wv1::GenerateRequest* request) {
-  auto reactor = std::make_shared<GenerateReactor>(executor_, dispatcher_);
+  auto reactor = std::make_shared<GenerateReactor>(executor_, dispatcher_, live_streams_);
   GenerateReactor* raw = reactor.get();
   if (draining_.load()) {
     raw->refuse(std::move(reactor),
@@ -269,8 +286,11 @@ grpc::ServerUnaryReactor* WorkerService::Abort(grpc::CallbackServerContext* cont
   std::uint32_t aborted = 0;
   for (const auto& name : request->request_ids()) {
     if (auto id = dispatcher_.find(name)) {
-      executor_.cancel(*id);
-      ++aborted;
+      try {
+        executor_.cancel(*id);
+        ++aborted;
+      } catch (const std::exception&) {
+      }
     }
   }
   response->set_aborted(aborted);
@@ -296,7 +316,41 @@ grpc::ServerUnaryReactor* WorkerService::GetInfo(grpc::CallbackServerContext* co
 
 grpc::ServerWriteReactor<wv1::LoadReport>* WorkerService::StreamLoad(
     grpc::CallbackServerContext*, const wv1::StreamLoadRequest* request) {
-  return new LoadReactor(*this, request->interval_ms() ? request->interval_ms() : 500);
+  const std::uint32_t ms = request->interval_ms() ? request->interval_ms() : 500;
+  auto interval = std::chrono::milliseconds(std::clamp<std::uint32_t>(ms, 10, 60000));
+  auto reactor = std::make_shared<LoadReactor>(*this, interval);
+  reactor->attach(reactor);
+  {
+    std::lock_guard<std::mutex> lock(load_mu_);
+    load_streams_.push_back(reactor);
+  }
+  return reactor.get();
+}
+
+void WorkerService::remove_load_stream(LoadStream* stream) {
+  std::lock_guard<std::mutex> lock(load_mu_);
+  load_streams_.erase(std::remove_if(load_streams_.begin(), load_streams_.end(),
+                                     [&](const auto& s) { return s.get() == stream; }),
+                      load_streams_.end());
+}
+
+void WorkerService::ticker() {
+  std::vector<std::shared_ptr<LoadStream>> streams;
+  while (!stop_ticker_.load()) {
+    {
+      std::lock_guard<std::mutex> lock(load_mu_);
+      streams = load_streams_;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    for (auto& s : streams) s->tick(now);  // no lock held
+    streams.clear();
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+WorkerService::~WorkerService() {
+  stop_ticker_.store(true);
+  if (ticker_.joinable()) ticker_.join();
 }
 
 void WorkerService::fill_load(wv1::LoadReport* report) {

@@ -9,6 +9,8 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <thread>
+#include <vector>
 
 #include "dispatcher.h"
 #include "executor.h"
@@ -18,9 +20,17 @@ namespace switchyard::rt {
 
 namespace wv1 = ::switchyard::worker::v1;
 
+// A StreamLoad call, ticked by the service's ticker thread.
+class LoadStream {
+ public:
+  virtual ~LoadStream() = default;
+  virtual void tick(std::chrono::steady_clock::time_point now) = 0;
+};
+
 class WorkerService final : public ::switchyard::worker::v1::Worker::CallbackService {
  public:
   WorkerService(Executor& executor, Dispatcher& dispatcher);
+  ~WorkerService() override;  // stops and joins the ticker
 
   grpc::ServerWriteReactor<wv1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context, const wv1::GenerateRequest* request) override;
@@ -37,16 +47,25 @@ class WorkerService final : public ::switchyard::worker::v1::Worker::CallbackSer
   void fill_load(wv1::LoadReport* report);
   // From now on, new Generate calls are refused with UNAVAILABLE.
   void start_drain() { draining_.store(true); }
+  // Generate streams not yet done (their last message may still be on its way).
+  int live_streams() const { return live_streams_.load(); }
+  void remove_load_stream(LoadStream* stream);
 
  private:
   Executor& executor_;
   Dispatcher& dispatcher_;
   const EngineInfo info_;
   std::atomic<bool> draining_{false};
+  std::atomic<int> live_streams_{0};
+  void ticker();
+  std::mutex load_mu_;
+  std::vector<std::shared_ptr<LoadStream>> load_streams_;
+  std::atomic<bool> stop_ticker_{false};
   std::mutex rate_mu_;  // tokens/s over windows of at least 0.5 s
   std::chrono::steady_clock::time_point rate_at_{};
   std::uint64_t rate_tokens_ = 0;
   double rate_ = 0;
+  std::thread ticker_;  // last: starts once everything above exists
 };
 
 // A google.rpc.Status with one BadRequest field violation, as gRPC error details.

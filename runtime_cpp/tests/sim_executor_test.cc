@@ -228,6 +228,7 @@ TEST(SimExecutor, RealTimeModeRunsOnItsOwnThread) {
   c.virtual_clock = false;
   c.decode_step_us = 200;
   SimExecutor sim(c);
+  EXPECT_THROW(sim.step(), std::logic_error);  // its own thread steps it
   auto id = sim.enqueue(request({1, 2, 3}, 20));
   int got = 0;
   bool final_seen = false;

@@ -34,7 +34,7 @@ TEST(Translate, MapsEveryField) {
   s->set_seed(42);
   in.set_min_tokens(2);
   in.add_stop_token_ids(9);
-  in.set_logprobs(1);
+  in.set_logprobs(0);  // the sampled token's log probability
   in.set_priority(3);
   GenRequest out;
   FieldError err;
@@ -90,6 +90,7 @@ TEST(Translate, BadInputNamesTheField) {
       {[](auto& r) { r.mutable_sampling()->set_presence_penalty(3); }, "sampling.presence_penalty"},
       {[](auto& r) { r.add_stop_token_ids(77); }, "stop_token_ids[0]"},
       {[](auto& r) { r.set_logprobs(21); }, "logprobs"},
+      {[](auto& r) { r.set_logprobs(2); }, "logprobs"},
   };
   for (const auto& c : cases) {
     auto in = valid();
@@ -134,7 +135,7 @@ TEST(Translate, ResponsesMapToChunksAndFinals) {
   fin.cached_prompt_tokens = 1;
   fin.queue_ms = 4.5;
   wv1::Final out;
-  fill_final(fin, 7, &out);
+  fill_final(fin, 7, std::nullopt, {2, 3}, &out);
   EXPECT_EQ(out.finish_reason(), ::switchyard::v1::FINISH_REASON_STOP);
   EXPECT_EQ(out.eos_token_id(), 2u);
   EXPECT_EQ(out.usage().prompt_tokens(), 3u);
@@ -146,9 +147,21 @@ TEST(Translate, ResponsesMapToChunksAndFinals) {
   failed.is_final = true;
   failed.error = "engine fault";
   wv1::Final err;
-  fill_final(failed, 0, &err);
+  fill_final(failed, 0, std::nullopt, {2}, &err);
   EXPECT_EQ(err.finish_reason(), ::switchyard::v1::FINISH_REASON_ERROR);
   EXPECT_EQ(err.error_message(), "engine fault");
+
+  // A second EOS id travels as a stop word but is reported as the EOS it is; a final
+  // without tokens uses the last token the stream carried.
+  GenResponse stop;
+  stop.is_final = true;
+  stop.finish = FinishReason::kStopWords;
+  wv1::Final eos2;
+  fill_final(stop, 4, TokenId{3}, {2, 3}, &eos2);
+  EXPECT_EQ(eos2.eos_token_id(), 3u);
+  wv1::Final word;
+  fill_final(stop, 4, TokenId{9}, {2, 3}, &word);
+  EXPECT_EQ(word.stop_token_id(), 9u);
 }
 
 }  // namespace

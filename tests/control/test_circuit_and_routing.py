@@ -77,7 +77,7 @@ def test_prefix_affinity_is_sticky_and_spreads_prefixes() -> None:
     ws = [W(f"w{i}") for i in range(8)]
     p = PrefixAffinity(blocks=2)
     shared = list(range(32))
-    picks = {p.choose(ws, RouteRequest(shared + [1000 + i], 4, 16)).address for i in range(20)}
+    picks = {p.choose(ws, RouteRequest([*shared, 1000 + i], 4, 16)).address for i in range(20)}
     assert len(picks) == 1  # same first two blocks, same worker
     spread = Counter(p.choose(ws, RouteRequest([i] * 40, 4, 16)).address for i in range(400))
     assert len(spread) == 8 and min(spread.values()) > 20

@@ -1,0 +1,1 @@
+"""Benchmarks and simulations that run outside the test suite."""

@@ -1,0 +1,463 @@
+"""Fleet simulation: the control plane's routing policies on many simulated workers.
+
+No processes and no gRPC. Each worker is a virtual-clock `switchyard_runtime.SimExecutor`
+(the C++ simulator: a latency model, not an inference engine) and every request is routed
+by the real policy classes from `control.routing`. A discrete-event loop keeps one clock
+per worker: the next event is either the next (seeded Poisson) arrival or one iteration of
+the busy worker whose clock is furthest behind, whichever comes first.
+
+    python -m bench.fleet_sim --workers 64 --requests 20000 --rate 1000 --seed 0 \\
+        --markdown docs/fleet-simulation.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import inspect
+import json
+import os
+import platform
+import random
+import shlex
+import statistics
+import sys
+import textwrap
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from math import nan
+from pathlib import Path
+from typing import Any
+
+import switchyard_runtime as rt  # type: ignore[import-not-found]
+
+from control.routing import POLICIES, Policy, RouteRequest, make_policy
+
+_NOW = timedelta(0)
+_FIRST_ORDINARY_TOKEN = 4  # the simulator leaves ids below this to special tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SimParams:
+    """One worker's simulator configuration (all workers are alike)."""
+
+    tokens_per_block: int = 16
+    kv_blocks: int = 2048  # about 43 requests of 600 prompt + 160 output tokens
+    max_batch: int = 64
+    prefill_us_per_token: float = 50.0
+    decode_step_us: float = 8000.0
+    decode_us_per_request: float = 40.0
+    prefix_cache_blocks: int = 512  # 16 prefixes of 512 tokens, less suffix churn
+    vocab_size: int = 32000
+    max_context: int = 4096
+
+    def sim_config(self) -> Any:
+        cfg = rt.SimConfig()
+        cfg.virtual_clock = True
+        for name, value in asdict(self).items():
+            setattr(cfg, name, value)
+        return cfg
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    """Shared-prefix traffic: each request is its group's system prompt plus a unique
+    suffix. Group popularity is Zipf with exponent `zipf` (0 is uniform)."""
+
+    requests: int = 20000
+    rate: float = 1000.0  # requests per second, Poisson; about round_robin's capacity
+    groups: int = 128
+    zipf: float = 0.0
+    prefix_tokens: int = 512
+    suffix_tokens: tuple[int, int] = (32, 128)
+    output_tokens: tuple[int, int] = (64, 256)
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    spec: WorkloadSpec
+    prefixes: list[list[int]]
+    arrival_us: array[float]
+    group: array[int]
+    suffix: list[array[int]]
+    max_tokens: array[int]
+
+
+def make_workload(spec: WorkloadSpec, vocab_size: int = 32000) -> Workload:
+    rng = random.Random(spec.seed)
+    tok = range(_FIRST_ORDINARY_TOKEN, vocab_size)
+    prefixes = [rng.choices(tok, k=spec.prefix_tokens) for _ in range(spec.groups)]
+    weights = [1.0 / (g + 1) ** spec.zipf for g in range(spec.groups)]
+    arrival_us: array[float] = array("d")
+    group: array[int] = array("i")
+    suffix: list[array[int]] = []
+    max_tokens: array[int] = array("i")
+    t = 0.0
+    for _ in range(spec.requests):
+        t += rng.expovariate(spec.rate) * 1e6
+        arrival_us.append(t)
+        group.append(rng.choices(range(spec.groups), weights)[0])
+        suffix.append(array("i", rng.choices(tok, k=rng.randint(*spec.suffix_tokens))))
+        max_tokens.append(rng.randint(*spec.output_tokens))
+    return Workload(spec, prefixes, arrival_us, group, suffix, max_tokens)
+
+
+class SimWorker:
+    """A simulated worker as a routing policy sees it (the `Candidate` protocol)."""
+
+    def __init__(self, index: int, params: SimParams) -> None:
+        self.index = index
+        self.address = f"sim-{index:03d}:50051"
+        self.running = 0  # from the worker's latest iteration stats
+        self.waiting = 0
+        self.in_flight = 0  # the simulation's own count, exact
+        self.in_flight_tokens = 0  # prompt plus remaining output tokens of those
+        self.sim: Any = rt.SimExecutor(params.sim_config())
+        self.t = 0.0  # this worker's clock, µs
+        self.live: dict[int, int] = {}  # simulator request id -> request index
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    policy: str
+    workers: int
+    requests: int
+    completed: int
+    output_tokens: int
+    makespan_s: float
+    output_tok_s: float
+    req_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    prefix_hit_rate: float
+    max_worker_requests: int
+    min_worker_requests: int
+    wall_s: float
+
+
+def build_policy(name: str, seed: int) -> Policy:
+    """The named policy; a policy that takes a `seed` gets one, so runs repeat exactly."""
+    if name not in POLICIES:
+        return make_policy(name)  # raises with the list of known names
+    cls = POLICIES[name]
+    kwargs: dict[str, Any] = {}
+    if "seed" in inspect.signature(cls).parameters:
+        kwargs["seed"] = seed
+    return cls(**kwargs)
+
+
+def simulate(
+    policy_name: str,
+    workload: Workload,
+    n_workers: int,
+    params: SimParams | None = None,
+    seed: int = 0,
+) -> Result:
+    """Route `workload` over `n_workers` simulated workers with the named policy."""
+    params = params or SimParams()
+    policy = build_policy(policy_name, seed)
+    started = time.perf_counter()
+    workers = [SimWorker(i, params) for i in range(n_workers)]
+    n = workload.spec.requests
+    arrival, group, max_tokens = workload.arrival_us, workload.group, workload.max_tokens
+    prompt_len = [0] * n
+    remaining = [0] * n
+    first_us = [-1.0] * n
+    per_worker = [0] * n_workers
+    done = output_tokens = prompt_tokens = cached_tokens = 0
+    end_us = 0.0
+    busy: list[tuple[float, int]] = []  # (clock, worker index) of workers with work
+    next_arrival = 0
+    while next_arrival < n or busy:
+        if next_arrival < n and (not busy or arrival[next_arrival] <= busy[0][0]):
+            k = next_arrival
+            next_arrival += 1
+            prompt = workload.prefixes[group[k]] + workload.suffix[k].tolist()
+            chosen = policy.choose(
+                workers, RouteRequest(prompt, max_tokens[k], params.tokens_per_block)
+            )
+            assert isinstance(chosen, SimWorker)
+            rid = chosen.sim.enqueue(rt.GenRequest(prompt, max_tokens[k], seed=k))
+            chosen.live[rid] = k
+            prompt_len[k] = len(prompt)
+            remaining[k] = max_tokens[k]
+            chosen.in_flight += 1
+            chosen.in_flight_tokens += len(prompt) + max_tokens[k]
+            per_worker[chosen.index] += 1
+            if chosen.in_flight == 1:  # it was idle: its clock jumps to now
+                chosen.t = max(chosen.t, arrival[k])
+                heapq.heappush(busy, (chosen.t, chosen.index))
+            continue
+        _, i = heapq.heappop(busy)
+        w = workers[i]
+        cost = w.sim.step()
+        if cost <= 0:
+            raise RuntimeError(f"worker {w.address} made no progress with work queued")
+        w.t += cost
+        for r in w.sim.await_responses(_NOW):
+            k = w.live[r.id]
+            got = len(r.tokens)
+            if first_us[k] < 0 and got:
+                first_us[k] = w.t
+            output_tokens += got
+            remaining[k] -= got
+            w.in_flight_tokens -= got
+            if r.is_final:
+                del w.live[r.id]
+                w.in_flight -= 1
+                w.in_flight_tokens -= prompt_len[k] + remaining[k]
+                prompt_tokens += r.prompt_tokens
+                cached_tokens += r.cached_prompt_tokens
+                done += 1
+                end_us = max(end_us, w.t)
+        stats = w.sim.latest_stats()
+        w.running, w.waiting = stats.active_requests, stats.queued_requests
+        if w.in_flight:
+            heapq.heappush(busy, (w.t, i))
+    wall_s = time.perf_counter() - started
+    ttft = [(first_us[k] - arrival[k]) / 1000.0 for k in range(n) if first_us[k] >= 0]
+    pct = statistics.quantiles(ttft, n=100, method="inclusive") if len(ttft) > 1 else [nan] * 99
+    makespan_s = end_us / 1e6
+    return Result(
+        policy=policy_name,
+        workers=n_workers,
+        requests=n,
+        completed=done,
+        output_tokens=output_tokens,
+        makespan_s=makespan_s,
+        output_tok_s=output_tokens / makespan_s if makespan_s else 0.0,
+        req_s=done / makespan_s if makespan_s else 0.0,
+        ttft_p50_ms=pct[49],
+        ttft_p99_ms=pct[98],
+        prompt_tokens=prompt_tokens,
+        cached_prompt_tokens=cached_tokens,
+        prefix_hit_rate=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+        max_worker_requests=max(per_worker),
+        min_worker_requests=min(per_worker),
+        wall_s=wall_s,
+    )
+
+
+COLUMNS = "policy|output tok/s|req/s|TTFT p50 ms|TTFT p99 ms|prefix-cache hit rate|sim wall s"
+
+
+def row(r: Result) -> list[str]:
+    numbers = (
+        f"{r.output_tok_s:,.0f}|{r.req_s:,.1f}|{r.ttft_p50_ms:,.1f}|{r.ttft_p99_ms:,.1f}|"
+        f"{r.prefix_hit_rate:.1%}|{r.wall_s:.1f}"
+    )
+    return [r.policy, *numbers.split("|")]
+
+
+def markdown_table(results: Sequence[Result]) -> str:
+    lines = ["| " + COLUMNS.replace("|", " | ") + " |", "|" + "---|" * len(row(results[0]))]
+    lines += ["| " + " | ".join(row(r)) + " |" for r in results]
+    return "\n".join(lines)
+
+
+def interpret(results: Sequence[Result], offered_rate: float) -> list[str]:
+    """Statements read off the measured numbers, nothing more."""
+    by = {r.policy: r for r in results}
+    base = by.get("round_robin")
+    tp = max(results, key=lambda r: r.output_tok_s)
+    hit = max(results, key=lambda r: r.prefix_hit_rate)
+    low_hit = min(results, key=lambda r: r.prefix_hit_rate)
+    p50 = min(results, key=lambda r: r.ttft_p50_ms)
+    p99 = min(results, key=lambda r: r.ttft_p99_ms)
+    out = []
+    s = f"`{tp.policy}` had the highest output rate ({tp.output_tok_s:,.0f} tok/s"
+    if base is not None and base is not tp:
+        s += f", {tp.output_tok_s / base.output_tok_s:.2f}x `round_robin`"
+    out.append(s + ").")
+    out.append(
+        f"`{hit.policy}` had the highest prefix-cache hit rate "
+        f"({hit.prefix_hit_rate:.1%}); the lowest was `{low_hit.policy}` "
+        f"({low_hit.prefix_hit_rate:.1%})."
+    )
+    worst = max(results, key=lambda r: r.ttft_p99_ms)
+    out.append(
+        f"The lowest TTFT p50 was `{p50.policy}`'s ({p50.ttft_p50_ms:,.1f} ms) and the lowest "
+        f"p99 `{p99.policy}`'s ({p99.ttft_p99_ms:,.1f} ms; the highest p99 was "
+        f"`{worst.policy}`'s, {worst.ttft_p99_ms:,.1f} ms)."
+    )
+    if hit is tp:
+        out.append(
+            "The policy with the most cache hits also had the highest throughput: in "
+            "this model a hit skips `prefill_us_per_token` for every cached prompt "
+            "token, leaving more of each iteration to decoding."
+        )
+    lo, hi = min(r.req_s for r in results), max(r.req_s for r in results)
+    out.append(
+        f"Offered load was {offered_rate:g} requests/s; completed requests/s over the makespan "
+        f"ranged {lo:,.1f}-{hi:,.1f}."
+    )
+    if hi < 1.05 * lo and worst.ttft_p99_ms > 1.05 * p99.ttft_p99_ms * hi / lo:
+        out.append("At this load the policies differ more in TTFT than in throughput.")
+    spread = ", ".join(
+        f"`{r.policy}` {r.min_worker_requests}-{r.max_worker_requests}" for r in results
+    )
+    out.append(f"Requests per worker (min-max): {spread}.")
+    return out
+
+
+def machine() -> dict[str, str]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    nproc = str(len(os.sched_getaffinity(0)))
+    return {"nproc": nproc, "cpu": cpu, "python": platform.python_version()}
+
+
+def report(command: str, spec: WorkloadSpec, p: SimParams, results: Sequence[Result]) -> str:
+    """The markdown report of one run."""
+    m = machine()
+    n_workers = results[0].workers
+    lo_s, hi_s = spec.suffix_tokens
+    lo_o, hi_o = spec.output_tokens
+    popularity = "uniform" if spec.zipf == 0 else f"Zipf, exponent {spec.zipf}"
+    return reflow(f"""# Fleet simulation: routing policies on {n_workers} simulated workers
+
+`bench/fleet_sim.py` compares the control plane's routing policies without processes or
+gRPC. Every request is routed by the real policy classes from `control/routing/`; every
+worker is a `switchyard_runtime.SimExecutor` on a virtual clock. **The SimExecutor is the
+C++ simulator, not an inference engine**: it generates no real text and its timings come
+from the latency model below, so the numbers compare policies under that model; they are
+not measurements of any GPU or engine.
+
+## What is simulated
+
+- Workers: {n_workers}, all alike. Per iteration a worker costs
+  `prefill_us_per_token` ({p.prefill_us_per_token:g} µs) for each uncached prompt token it
+  admits, plus `decode_step_us` ({p.decode_step_us:g} µs) + `decode_us_per_request`
+  ({p.decode_us_per_request:g} µs) per running request; every running request gains one
+  token per iteration.
+- Memory: {p.kv_blocks} KV blocks of {p.tokens_per_block} tokens per worker; a request
+  reserves prompt plus `max_tokens` when admitted (at most {p.max_batch} running), the rest
+  wait in FIFO order.
+- Prefix cache: an LRU of {p.prefix_cache_blocks} full prompt blocks per worker; a prompt
+  whose leading blocks are cached skips their prefill.
+- Workload: {spec.requests} requests, Poisson arrivals at {spec.rate:g} requests/s (seed
+  {spec.seed}). {spec.groups} prefix groups ({popularity}), each a
+  {spec.prefix_tokens}-token system prompt; a request is its group's prefix plus a unique
+  {lo_s}-{hi_s} token suffix and asks for {lo_o}-{hi_o} output tokens. Every policy gets
+  the same arrivals.
+- Event loop: each worker has its own clock; the next event is the next arrival or an
+  iteration of the busy worker whose clock is furthest behind. A request is routed with
+  each worker's running/waiting counts from its latest iteration and the simulation's
+  in-flight requests and tokens per worker (an iteration is one event, so these may
+  describe the end of an iteration that is still running at the arrival time); it joins
+  the worker's next iteration. TTFT is the end of the iteration that emits a request's
+  first token minus its arrival; throughput is over the makespan (time 0 to the last
+  completion, so it includes the drain). Not modeled: network, tokenization, worker
+  failures, reporting lag.
+
+## Run
+
+```
+{command}
+```
+
+Machine: nproc {m["nproc"]}, {m["cpu"]}, Python {m["python"]}.
+
+## Results
+
+{markdown_table(results)}
+
+{" ".join(interpret(results, spec.rate))}
+""")
+
+
+def reflow(md: str, width: int = 90) -> str:
+    """Rewraps markdown prose (paragraphs, "- " items); headings, tables and code stay."""
+    out: list[str] = []
+    para: list[str] = []
+    fenced = False
+
+    def flush() -> None:
+        if para:
+            text = " ".join(x.strip() for x in para)
+            indent = "  " if text.startswith("- ") else ""
+            out.append(
+                textwrap.fill(
+                    text,
+                    width,
+                    subsequent_indent=indent,
+                    break_long_words=False,
+                    break_on_hyphens=False,
+                )
+            )
+            para.clear()
+
+    for line in md.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        prose = not fenced and line.strip() and not line.startswith(("```", "#", "|"))
+        if not prose or line.startswith("- "):
+            flush()
+        (para if prose else out).append(line)
+    flush()
+    return "\n".join(out) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    fmt = argparse.RawDescriptionHelpFormatter
+    ap = argparse.ArgumentParser("python -m bench.fleet_sim", None, __doc__, formatter_class=fmt)
+    d = WorkloadSpec()
+    ap.add_argument("--workers", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=d.requests)
+    ap.add_argument("--rate", type=float, default=d.rate, help="arrivals per second")
+    ap.add_argument("--groups", type=int, default=d.groups, help="prefix groups")
+    ap.add_argument("--zipf", type=float, default=d.zipf, help="group popularity; 0: uniform")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--policies",
+        nargs="+",
+        default=list(POLICIES),
+        choices=list(POLICIES),
+        metavar="NAME",
+        help=f"of {', '.join(POLICIES)}; default all",
+    )
+    ap.add_argument("--markdown", type=Path, help="write the report here")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
+    spec = WorkloadSpec(
+        requests=args.requests, rate=args.rate, groups=args.groups, zipf=args.zipf, seed=args.seed
+    )
+    params = SimParams()
+    workload = make_workload(spec, params.vocab_size)
+    widths = [max(len(c), 12) for c in COLUMNS.split("|")]
+    widths[0] = max(map(len, args.policies))
+    print("  ".join(c.rjust(w) for c, w in zip(COLUMNS.split("|"), widths, strict=True)))
+    results = []
+    for name in args.policies:
+        r = simulate(name, workload, args.workers, params, seed=args.seed)
+        results.append(r)
+        print("  ".join(c.rjust(w) for c, w in zip(row(r), widths, strict=True)), flush=True)
+        if r.completed != r.requests:
+            print(f"{name}: only {r.completed} of {r.requests} completed", file=sys.stderr)
+            return 1
+    given = sys.argv[1:] if argv is None else list(argv)
+    command = shlex.join(["python", "-m", "bench.fleet_sim", *given])
+    if args.markdown:
+        args.markdown.write_text(report(command, spec, params, results))
+    if args.json:
+        data: dict[str, Any] = {"command": command, "workload": asdict(spec)}
+        data |= {"sim": asdict(params), "machine": machine()}
+        data["results"] = [asdict(r) for r in results]
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""`switchyard.v1.Admin`: load and unload models at run time, list and drain workers."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NoReturn
+
+import grpc
+import structlog
+from google.protobuf import json_format
+from switchyard.v1 import admin_pb2, admin_pb2_grpc
+
+from control.config import ConfigError, parse_model
+from control.errors import (
+    AlreadyExists,
+    FieldViolation,
+    InvalidArgument,
+    LoadFailed,
+    NotFound,
+    SwitchyardError,
+    to_rpc_status,
+)
+from control.lifecycle import ModelLoader, StartupError
+from control.models import ModelEntry, ModelRegistry
+from control.worker_client import WorkerClient
+
+log = structlog.get_logger(__name__)
+Context = grpc.aio.ServicerContext[Any, Any]
+DEFAULT_GRACE_S = 30.0
+
+
+def worker_status(entry: ModelEntry, w: WorkerClient) -> admin_pb2.WorkerStatus:
+    return admin_pb2.WorkerStatus(
+        address=w.address,
+        model=entry.name,
+        engine=w.info.label if w.info else "",
+        serving=w.serving,
+        circuit=w.breaker.state.value,
+        draining=w.draining,
+        routable=w.healthy,
+        running=w.load.running,
+        waiting=w.load.waiting,
+        kv_cache_usage=w.load.kv_cache_usage,
+        in_flight=w.in_flight,
+        last_canary_ms=w.last_canary_ms or 0.0,
+        local=any(lw.address == w.address for lw in entry.local),
+    )
+
+
+def spec_to_dict(spec: admin_pb2.ModelSpec) -> dict[str, Any]:
+    """The request's spec as the config's mapping, so both go through one validation."""
+    raw: dict[str, Any] = {"name": spec.name, "engine": spec.engine, "model": spec.model}
+    if spec.tokenizer:
+        raw["tokenizer"] = spec.tokenizer
+    if spec.replicas:
+        raw["replicas"] = spec.replicas
+    if spec.workers:
+        raw["workers"] = list(spec.workers)
+    if spec.routing:
+        raw["routing"] = spec.routing
+    for name in ("engine_args", "limits", "health"):
+        if spec.HasField(name):
+            values = json_format.MessageToDict(getattr(spec, name))
+            # Struct numbers are doubles; whole numbers go back to ints for integer keys.
+            raw[name] = {
+                k: int(v) if isinstance(v, float) and v.is_integer() else v
+                for k, v in values.items()
+            }
+    return raw
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
+    def __init__(self, registry: ModelRegistry, loader: ModelLoader) -> None:
+        self._registry = registry
+        self._loader = loader
+
+    async def LoadModel(
+        self, request: admin_pb2.LoadModelRequest, context: Context
+    ) -> admin_pb2.LoadModelResponse:
+        started = time.monotonic()
+        try:
+            try:
+                spec = parse_model(spec_to_dict(request.spec), "spec")
+            except ConfigError as e:
+                raise InvalidArgument([FieldViolation(e.key, str(e))]) from e
+            if self._registry.find(spec.name) or spec.name in self._loader.loading:
+                raise AlreadyExists(f"model {spec.name!r} is already loaded")
+            try:
+                entry = await self._loader.load(spec)
+            except (StartupError, OSError) as e:
+                raise LoadFailed(f"model {spec.name!r} failed to load: {e}") from e
+        except SwitchyardError as e:
+            await _abort(context, e)
+        return admin_pb2.LoadModelResponse(
+            name=entry.name,
+            workers=[worker_status(entry, w) for w in entry.workers],
+            load_seconds=time.monotonic() - started,
+        )
+
+    async def UnloadModel(
+        self, request: admin_pb2.UnloadModelRequest, context: Context
+    ) -> admin_pb2.UnloadModelResponse:
+        grace = request.grace_s if request.HasField("grace_s") else DEFAULT_GRACE_S
+        try:
+            result = await self._loader.unload(request.name, grace)
+        except KeyError:
+            await _abort(context, NotFound(f"model {request.name!r} is not loaded"))
+        return admin_pb2.UnloadModelResponse(
+            drained_requests=result.in_flight_at_start,
+            cancelled_requests=result.left_after_grace,
+        )
+
+    async def ListWorkers(
+        self, request: admin_pb2.ListWorkersRequest, context: Context
+    ) -> admin_pb2.ListWorkersResponse:
+        entries = self._registry.all()
+        if request.model:
+            entries = [e for e in entries if e.name == request.model]
+            if not entries:
+                await _abort(context, NotFound(f"model {request.model!r} is not loaded"))
+        return admin_pb2.ListWorkersResponse(
+            workers=[worker_status(e, w) for e in entries for w in e.workers]
+        )
+
+    async def DrainWorker(
+        self, request: admin_pb2.DrainWorkerRequest, context: Context
+    ) -> admin_pb2.DrainWorkerResponse:
+        found = [(e, w) for e in self._registry.all() for w in e.workers]
+        match = next(((e, w) for e, w in found if w.address == request.address), None)
+        if match is None:
+            await _abort(context, NotFound(f"no worker at {request.address!r}"))
+        entry, worker = match
+        grace = request.grace_s if request.HasField("grace_s") else DEFAULT_GRACE_S
+        result = await self._loader.drain_worker(worker, grace)
+        return admin_pb2.DrainWorkerResponse(
+            worker=worker_status(entry, worker), in_flight_left=result.left_after_grace
+        )
+
+
+async def _abort(context: Context, err: SwitchyardError) -> NoReturn:
+    code, message, trailers = to_rpc_status(err)
+    log.info("admin request failed", code=code.name, error=message)
+    await context.abort(code, message, trailing_metadata=trailers)
+    raise AssertionError("unreachable")  # context.abort raises

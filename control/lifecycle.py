@@ -1,0 +1,250 @@
+"""Model lifecycle: start or join a model's workers and wait until they serve; drain and
+stop them; follow a DNS name for workers that come and go.
+
+Used at start-up for the configured models and by the Admin API at run time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from control.config import ModelSpec
+from control.models import ModelEntry, ModelRegistry
+from control.supervisor import LocalWorker, free_port, worker_command
+from control.tinymodel import ensure_tiny_model
+from control.tokenizer import Tokenizer
+from control.worker_client import HealthPolicy, WorkerClient, WorkerInfo
+
+log = structlog.get_logger(__name__)
+
+WORKER_READY_TIMEOUT_S = 600.0
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class DrainResult:
+    in_flight_at_start: int
+    left_after_grace: int
+
+
+def health_policy(spec: ModelSpec) -> HealthPolicy:
+    return HealthPolicy(
+        canary_interval_s=spec.canary_interval_s,
+        canary_timeout_s=spec.canary_timeout_s,
+        failure_threshold=spec.failure_threshold,
+    )
+
+
+async def resolve(hostport: str) -> list[str]:
+    """Every address behind a name, as host:port, sorted (a headless Service's pods)."""
+    host, _, port = hostport.rpartition(":")
+    infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    out = set()
+    for family, *_, sockaddr in infos:
+        ip = str(sockaddr[0])
+        out.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+    return sorted(out)
+
+
+class ModelLoader:
+    """Starts, joins, drains and stops the workers of models in a registry."""
+
+    def __init__(self, registry: ModelRegistry, listen_host: str) -> None:
+        self.registry = registry
+        host = listen_host or "127.0.0.1"
+        self.worker_host = "127.0.0.1" if host in ("0.0.0.0", "[::]", "::") else host
+        self.loading: set[str] = set()
+        self._discovery: dict[str, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._joining: set[str] = set()
+
+    async def load(self, spec: ModelSpec) -> ModelEntry:
+        if self.registry.find(spec.name) is not None or spec.name in self.loading:
+            raise StartupError(f"model {spec.name!r} is already loaded")
+        self.loading.add(spec.name)
+        started = time.monotonic()
+        local: list[LocalWorker] = []
+        clients: list[WorkerClient] = []
+        try:
+            model_path = spec.model
+            if spec.is_builtin:
+                model_path = str(await asyncio.to_thread(ensure_tiny_model))
+            tokenizer = await asyncio.to_thread(Tokenizer, spec.tokenizer or model_path)
+            addresses = list(spec.workers)
+            if spec.dns:
+                addresses += [a for a in await resolve(spec.dns) if a not in addresses]
+            elif not addresses:
+                for i in range(spec.replicas):
+                    port = free_port(self.worker_host)
+                    cmd = worker_command(spec, model_path, port, tokenizer)
+                    lw = LocalWorker(f"{spec.name}-{i}", cmd, f"{self.worker_host}:{port}")
+                    await lw.start()
+                    local.append(lw)
+                    addresses.append(lw.address)
+            clients = [WorkerClient(a, health_policy(spec)) for a in addresses]
+            log.info("loading model", model=spec.name, engine=spec.engine, workers=addresses)
+            if spec.dns:
+                # Behind a name, some addresses may never answer (a pod going away, an
+                # IPv6 record nobody listens on): load with those that serve.
+                ready_s = max(10.0, spec.dns_interval_s * 3)
+                got = await asyncio.gather(
+                    *(c.wait_ready(ready_s) for c in clients), return_exceptions=True
+                )
+                for c, g in zip(clients, got, strict=True):
+                    if isinstance(g, BaseException):
+                        log.warning("discovered worker not serving", worker=c.address)
+                        await c.close()
+                infos = [g for g in got if isinstance(g, WorkerInfo)]
+                clients = [
+                    c for c, g in zip(clients, got, strict=True) if isinstance(g, WorkerInfo)
+                ]
+            else:
+                infos = await asyncio.gather(*(self._wait_worker(c, local) for c in clients))
+            info = self._agree(spec, infos)
+            if tokenizer.vocab_size > info.vocab_size:
+                raise StartupError(
+                    f"model {spec.name}: the tokenizer has {tokenizer.vocab_size} tokens but "
+                    f"the model only {info.vocab_size}"
+                )
+        except BaseException:
+            await asyncio.gather(*(w.stop() for w in local), return_exceptions=True)
+            await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+            raise
+        finally:
+            self.loading.discard(spec.name)
+        entry = ModelEntry(spec=spec, tokenizer=tokenizer, info=info, workers=clients)
+        entry.local = local
+        self.registry.add(entry)
+        if spec.dns:
+            self._discovery[spec.name] = asyncio.create_task(
+                self._follow_dns(entry), name=f"dns {spec.dns}"
+            )
+        log.info(
+            "model ready",
+            model=spec.name,
+            engine=info.label,
+            workers=len(clients),
+            seconds=round(time.monotonic() - started, 2),
+        )
+        return entry
+
+    @staticmethod
+    def _agree(spec: ModelSpec, infos: list[WorkerInfo]) -> WorkerInfo:
+        if not infos:
+            raise StartupError(f"model {spec.name}: no worker address (replicas, workers, dns)")
+        first = infos[0]
+        for other in infos[1:]:
+            if (other.max_context, other.vocab_size) != (first.max_context, first.vocab_size):
+                raise StartupError(f"model {spec.name}: workers disagree on context or vocabulary")
+        return first
+
+    async def _wait_worker(self, client: WorkerClient, local: list[LocalWorker]) -> WorkerInfo:
+        proc = next((lw for lw in local if lw.address == client.address), None)
+        ready = asyncio.create_task(client.wait_ready(WORKER_READY_TIMEOUT_S))
+        if proc is None or proc.proc is None:
+            return await ready
+        died = asyncio.create_task(proc.proc.wait())
+        done, _ = await asyncio.wait({ready, died}, return_when=asyncio.FIRST_COMPLETED)
+        if ready in done:
+            died.cancel()
+            return ready.result()
+        ready.cancel()
+        raise StartupError(
+            f"worker {proc.name} exited with code {proc.exited} before it was ready "
+            "(its log is above)"
+        )
+
+    async def unload(self, name: str, grace_s: float) -> DrainResult:
+        """Stop routing to the model, let in-flight requests finish (up to grace_s), then
+        stop its workers. New requests for it get NOT_FOUND from the start."""
+        entry = self.registry.find(name)
+        if entry is None:
+            raise KeyError(name)
+        entry.accepting = False
+        task = self._discovery.pop(name, None)
+        if task is not None:
+            task.cancel()
+        adm = entry.admission
+        at_start = adm.running + adm.queued
+        deadline = time.monotonic() + grace_s
+        # Polled: requests end on many paths, and 20 ms is plenty for an unload.
+        while adm.running + adm.queued > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+        left = adm.running + adm.queued
+        self.registry.remove(name)
+        await self.stop_entry(entry)
+        log.info("model unloaded", model=name, drained=at_start, cancelled=left)
+        return DrainResult(at_start, left)
+
+    async def drain_worker(self, worker: WorkerClient, grace_s: float) -> DrainResult:
+        worker.draining = True
+        at_start = worker.in_flight
+        deadline = time.monotonic() + grace_s
+        while worker.in_flight > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+        log.info("worker drained", worker=worker.address, left=worker.in_flight)
+        return DrainResult(at_start, worker.in_flight)
+
+    async def stop_entry(self, entry: ModelEntry) -> None:
+        await asyncio.gather(*(w.stop() for w in entry.local), return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in entry.workers), return_exceptions=True)
+
+    async def stop_all(self) -> None:
+        for task in self._discovery.values():
+            task.cancel()
+        await asyncio.gather(
+            *(self.stop_entry(e) for e in self.registry.all()), return_exceptions=True
+        )
+
+    async def _follow_dns(self, entry: ModelEntry) -> None:
+        """Re-resolve the model's DNS name: new addresses join once they serve; vanished
+        ones stop taking requests and leave when their in-flight requests are done."""
+        spec = entry.spec
+        assert spec.dns is not None
+        while True:
+            await asyncio.sleep(spec.dns_interval_s)
+            try:
+                current = set(await resolve(spec.dns))
+            except OSError as e:
+                log.warning("dns lookup failed", name=spec.dns, error=str(e))
+                continue
+            known = {w.address for w in entry.workers}
+            for address in sorted(current - known - self._joining):
+                self._spawn(self._join(entry, address), f"join {address}")
+            for w in [w for w in entry.workers if w.address not in current and not w.draining]:
+                self._spawn(self._leave(entry, w), f"leave {w.address}")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _join(self, entry: ModelEntry, address: str) -> None:
+        self._joining.add(address)
+        client = WorkerClient(address, health_policy(entry.spec))
+        try:
+            await client.wait_ready(max(10.0, entry.spec.dns_interval_s * 3))
+            entry.workers.append(client)
+            log.info("worker joined", model=entry.name, worker=address)
+        except Exception as e:
+            log.warning("discovered worker never served", worker=address, error=str(e))
+            await client.close()
+        finally:
+            self._joining.discard(address)
+
+    async def _leave(self, entry: ModelEntry, worker: WorkerClient) -> None:
+        await self.drain_worker(worker, grace_s=60.0)
+        if worker in entry.workers:
+            entry.workers.remove(worker)
+        await worker.close()
+        log.info("worker left", model=entry.name, worker=worker.address)
