@@ -30,6 +30,7 @@ DEFAULT_GRACE_S = 30.0
 
 
 def worker_status(entry: ModelEntry, w: WorkerClient) -> admin_pb2.WorkerStatus:
+    proc = next((lw for lw in entry.local if lw.address == w.address), None)
     return admin_pb2.WorkerStatus(
         address=w.address,
         model=entry.name,
@@ -43,7 +44,9 @@ def worker_status(entry: ModelEntry, w: WorkerClient) -> admin_pb2.WorkerStatus:
         kv_cache_usage=w.load.kv_cache_usage,
         in_flight=w.in_flight,
         last_canary_ms=w.last_canary_ms or 0.0,
-        local=any(lw.address == w.address for lw in entry.local),
+        local=proc is not None,
+        process=proc.status if proc else "",
+        restarts=proc.restarts if proc else 0,
     )
 
 

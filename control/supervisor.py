@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -71,17 +72,40 @@ def worker_command(
 class LocalWorker:
     """One worker process, restarted with backoff while the supervisor runs."""
 
-    def __init__(self, name: str, cmd: Sequence[str], address: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        cmd: Sequence[str],
+        address: str,
+        backoff_s: Sequence[float] = RESTART_BACKOFF_S,
+        stable_s: float = 60.0,
+    ) -> None:
         self.name = name
         self.cmd = list(cmd)
         self.address = address
+        self.backoff_s = tuple(backoff_s)
+        self.stable_s = stable_s  # a run this long forgives earlier failures
         self.proc: asyncio.subprocess.Process | None = None
         self.gave_up = False
+        self.restarts = 0
+        self._restarting = False
+        self._started_at = 0.0
         self._stopping = False
         self._monitor: asyncio.Task[None] | None = None
 
+    @property
+    def status(self) -> str:
+        if self.gave_up:
+            return "gave_up"
+        if self._restarting:
+            return "restarting"
+        if self._stopping:
+            return "stopped"
+        return "running"
+
     async def start(self) -> None:
         log.info("starting worker", worker=self.name, address=self.address)
+        self._started_at = time.monotonic()
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self.proc = await asyncio.create_subprocess_exec(*self.cmd, env=env)
@@ -99,15 +123,25 @@ class LocalWorker:
             code = await self.proc.wait()
             if self._stopping:
                 return
+            if time.monotonic() - self._started_at >= self.stable_s:
+                failures = 0
             failures += 1
-            if failures > len(RESTART_BACKOFF_S):
-                log.error("worker keeps dying; giving up", worker=self.name, exit_code=code)
+            if failures > len(self.backoff_s):
+                log.error(
+                    "worker keeps dying; giving up",
+                    worker=self.name,
+                    exit_code=code,
+                    failures=failures,
+                )
                 self.gave_up = True
                 return
-            delay = RESTART_BACKOFF_S[failures - 1]
+            delay = self.backoff_s[failures - 1]
             log.error("worker exited", worker=self.name, exit_code=code, restart_in_s=delay)
+            self._restarting = True
             await asyncio.sleep(delay)
+            self._restarting = False
             if not self._stopping:
+                self.restarts += 1
                 await self.start()
 
     async def stop(self, grace: float = 15.0) -> None:

@@ -83,12 +83,11 @@ class WorkerServicer:
         self._inflight[request_id] = state
         try:
             remaining = context.time_remaining()
-            if remaining is None or remaining > _NO_DEADLINE_S:
-                await self._stream(parsed, state, context, arrived)
-            else:
+            deadline: float | None = None
+            if remaining is not None and remaining <= _NO_DEADLINE_S:
                 budget = remaining - min(_DEADLINE_MARGIN_S, remaining / 10)
-                async with asyncio.timeout(max(budget, 0.0)):
-                    await self._stream(parsed, state, context, arrived)
+                deadline = time.monotonic() + max(budget, 0.0)
+            await self._stream(parsed, state, context, arrived, deadline)
         except TimeoutError:
             # The engine request is aborted; the caller, still listening, hears TIME_LIMIT.
             log.info("generate deadline expired", request_id=request_id)
@@ -99,8 +98,11 @@ class WorkerServicer:
                     prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens
                 ),
             )
-            with contextlib.suppress(StreamClosed):
+            try:
                 await _write(context, worker_pb2.GenerateResponse(final=final))
+            except StreamClosed:
+                # Never a silent OK without a final.
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline expired")
         except WorkerError as exc:
             log.warning("generate failed", request_id=request_id, error=str(exc))
             await self._guard_abort(state)
@@ -114,8 +116,15 @@ class WorkerServicer:
             await self._guard_abort(state)
 
     async def _stream(
-        self, parsed: ParsedGenerate, state: InFlight, context: Context, arrived: float
+        self,
+        parsed: ParsedGenerate,
+        state: InFlight,
+        context: Context,
+        arrived: float,
+        deadline: float | None,
     ) -> None:
+        """Relay the engine's outputs. Only waiting on the engine counts against the
+        deadline (TimeoutError); a write to the client is never interrupted half-way."""
         llm = self._engine.llm
         completion_tokens = 0
         cached_tokens = 0
@@ -130,7 +139,13 @@ class WorkerServicer:
         try:
             # After the finished output the generator ends by itself; leaving the loop
             # early would make it abort a request that is already done.
-            async for out in outputs:
+            it = aiter(outputs)
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                try:
+                    out = await asyncio.wait_for(anext(it), left)
+                except StopAsyncIteration:
+                    break
                 completion = out.outputs[0]
                 cached_tokens = int(getattr(out, "num_cached_tokens", None) or cached_tokens)
                 if state.aborted:

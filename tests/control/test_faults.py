@@ -211,7 +211,7 @@ def test_deadline_ends_with_time_limit_and_frees_the_worker(
         stub = generation_pb2_grpc.GenerationStub(ch)
         started = time.monotonic()
         out = stub.Complete(req(1500), timeout=0.2)
-        assert time.monotonic() - started < 0.3
+        assert time.monotonic() - started < 0.5
         assert out.final.finish_reason == FR.FINISH_REASON_TIME_LIMIT
         assert 0 < out.final.usage.completion_tokens < 1500
         with grpc.insecure_channel(out.final.worker) as wch:
@@ -299,3 +299,35 @@ def test_bad_config_fails_at_start_naming_the_key(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "models[0].replicas" in out.stderr
+
+
+def test_model_health_follows_its_workers(tmp_path: Path, stopping: list[Proc]) -> None:
+    ctl = serve(tmp_path, sim_model(replicas=1, step=1000))
+    stopping.append(ctl)
+    with grpc.insecure_channel(ctl.address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        health = health_pb2_grpc.HealthStub(ch)
+
+        def status(service: str) -> int:
+            r = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+            return int(r.status)
+
+        pid = worker_pid(stub.Complete(req(2), timeout=10).final.worker)
+        assert status("sim") == health_pb2.HealthCheckResponse.SERVING
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 3
+            while status("sim") != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "model still SERVING with its only worker hung"
+                time.sleep(0.05)
+            assert status("") == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Complete(req(2), timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+            assert "no healthy worker" in info.value.details()  # type: ignore[attr-defined]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while status("sim") != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, "model did not come back"
+            time.sleep(0.05)
