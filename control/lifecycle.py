@@ -63,13 +63,13 @@ class ModelLoader:
         self.registry = registry
         host = listen_host or "127.0.0.1"
         self.worker_host = "127.0.0.1" if host in ("0.0.0.0", "[::]", "::") else host
-        self.loading: set[str] = set()
+        self.loading = registry.loading
         self._discovery: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._joining: set[str] = set()
 
     async def load(self, spec: ModelSpec) -> ModelEntry:
-        if self.registry.find(spec.name) is not None or spec.name in self.loading:
+        if self.registry.find(spec.name) is not None:
             raise StartupError(f"model {spec.name!r} is already loaded")
         self.loading.add(spec.name)
         started = time.monotonic()
@@ -196,8 +196,9 @@ class ModelLoader:
         return DrainResult(at_start, worker.in_flight)
 
     async def stop_entry(self, entry: ModelEntry) -> None:
-        await asyncio.gather(*(w.stop() for w in entry.local), return_exceptions=True)
+        # Channels first: their health and load streams would hold a draining worker open.
         await asyncio.gather(*(c.close() for c in entry.workers), return_exceptions=True)
+        await asyncio.gather(*(w.stop() for w in entry.local), return_exceptions=True)
 
     async def stop_all(self) -> None:
         for task in self._discovery.values():

@@ -61,6 +61,7 @@ class ModelEntry:
 class ModelRegistry:
     def __init__(self) -> None:
         self._models: dict[str, ModelEntry] = {}
+        self.loading: set[str] = set()  # names whose workers are starting
 
     def add(self, entry: ModelEntry) -> None:
         self._models[entry.name] = entry
@@ -70,6 +71,8 @@ class ModelRegistry:
 
     def get(self, name: str) -> ModelEntry:
         entry = self._models.get(name)
+        if entry is None and name in self.loading:
+            raise NoHealthyWorker(f"model {name!r} is still loading; retry shortly")
         if entry is None or not entry.accepting:
             raise ModelNotFound(name, sorted(n for n, e in self._models.items() if e.accepting))
         return entry

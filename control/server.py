@@ -61,6 +61,8 @@ class ControlPlane:
         )
         for name in ("", GENERATION_SERVICE, *(m.name for m in self.config.models)):
             await self.health.set(name, NOT_SERVING)
+        # Until they are up, requests for configured models hear UNAVAILABLE ("loading").
+        self.registry.loading.update(m.name for m in self.config.models)
         self.port = self.server.add_insecure_port(self.config.listen)
         if self.port == 0:
             raise StartupError(f"cannot listen on {self.config.listen}")

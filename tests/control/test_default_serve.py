@@ -7,9 +7,13 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from switchyard.v1 import generation_pb2, generation_pb2_grpc
 
 from control.supervisor import free_port
 from tests.procs import start_process, wait_serving
@@ -23,6 +27,24 @@ def test_serve_embedded_default(tmp_path: Path) -> None:
         ["-m", "control", "serve", "--listen", f"127.0.0.1:{port}"], port, tmp_path, "serve"
     )
     try:
+        # While the engine starts, the port answers: NOT_SERVING, and requests hear
+        # UNAVAILABLE ("still loading"), not NOT_FOUND.
+        with grpc.insecure_channel(proc.address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            status = None
+            for _ in range(100):
+                try:
+                    check = health_pb2.HealthCheckRequest(service="tiny")
+                    status = health.Check(check, timeout=1).status
+                    break
+                except grpc.RpcError:
+                    time.sleep(0.1)
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Complete(generation_pb2.GenerateRequest(model="tiny", text="Hi"), timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+            assert "loading" in info.value.details()  # type: ignore[attr-defined]
         wait_serving(proc, "tiny")
         out = subprocess.run(
             [
