@@ -149,6 +149,68 @@ class OpenAIHttpTarget:
         await self._client.aclose()
 
 
+class VllmGrpcTarget:
+    """vLLM's own gRPC server (vllm.grpc.engine.VllmEngine/Generate, smg-grpc-servicer)."""
+
+    def __init__(self, address: str, name: str = "vllm-grpc") -> None:
+        from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+        self.name = name
+        self._pb = vllm_engine_pb2
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = vllm_engine_pb2_grpc.VllmEngineStub(self._channel)
+        self._seq = 0
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> AsyncIterator[int]:
+        pb = self._pb
+        self._seq += 1
+        req = pb.GenerateRequest(
+            request_id=f"bench-{self._seq}",
+            tokenized=pb.TokenizedInput(input_ids=prompt),
+            sampling_params=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            stream=True,
+        )
+        async for msg in self._stub.Generate(req):
+            # The closing `complete` repeats the last delta; count chunks only.
+            if msg.WhichOneof("response") == "chunk":
+                yield len(msg.chunk.token_ids)
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+
+class SmgGenerateTarget:
+    """The SMG gateway's /generate (its /v1/completions takes text prompts only)."""
+
+    def __init__(self, base_url: str, model: str, name: str = "smg") -> None:
+        import httpx
+
+        self.name = name
+        self._client = httpx.AsyncClient(base_url=base_url, timeout=None)
+        self._model = model
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> AsyncIterator[int]:
+        body = {
+            "model": self._model,
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": max_tokens, "ignore_eos": True},
+            "stream": True,
+        }
+        seen = 0
+        async with self._client.stream("POST", "/generate", json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                done = json.loads(line[6:]).get("meta_info", {}).get("completion_tokens", seen)
+                if done > seen:  # cumulative; the last event repeats the last delta
+                    yield done - seen
+                    seen = done
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
 async def _one(target: Target, prompt: list[int], max_tokens: int) -> Record:
     rec = Record(start=time.perf_counter())
     try:

@@ -20,7 +20,7 @@ from control.errors import (
     SwitchyardError,
     to_rpc_status,
 )
-from control.lifecycle import ModelLoader, StartupError
+from control.lifecycle import ModelLoader
 from control.models import ModelEntry, ModelRegistry
 from control.worker_client import WorkerClient
 
@@ -90,7 +90,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
                 raise AlreadyExists(f"model {spec.name!r} is already loaded")
             try:
                 entry = await self._loader.load(spec)
-            except (StartupError, OSError) as e:
+            except Exception as e:  # the operator hears why, whatever broke
                 raise LoadFailed(f"model {spec.name!r} failed to load: {e}") from e
         except SwitchyardError as e:
             await _abort(context, e)

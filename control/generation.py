@@ -14,6 +14,7 @@ with UNAVAILABLE and a message, never a hang.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -23,7 +24,7 @@ import structlog
 from switchyard.v1 import common_pb2, generation_pb2
 from switchyard.worker.v1 import worker_pb2
 
-from control.errors import InvalidArgument, NoHealthyWorker, WorkerFailed
+from control.errors import AlreadyExists, InvalidArgument, NoHealthyWorker, WorkerFailed
 from control.models import ModelEntry
 from control.params import GenerationParams
 from control.routing import RouteRequest
@@ -36,17 +37,14 @@ FinishReason = common_pb2.FinishReason
 # Part of the client's deadline kept back so that TIME_LIMIT reaches the client in time.
 DEADLINE_MARGIN_S = 0.02
 PROMPT_CONTEXT_TOKENS = 5
-# Worker failures worth another worker: the process or connection went away, or the
-# engine broke. Anything else (a rejected request) is the client's to hear.
-_FAILOVER_CODES = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.ABORTED,
-    }
+# Worker failures worth another worker. Lost connections (the process died, the worker
+# was ejected) fail over as long as workers remain; an engine error fails over once, so
+# that a request that breaks engines cannot take down every replica in turn.
+_CONNECTION_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+_ENGINE_ERROR = frozenset(
+    {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
 )
+MAX_ENGINE_ERROR_RETRIES = 1
 _SAMPLING_FIELDS = (
     "temperature",
     "top_p",
@@ -120,8 +118,9 @@ async def run_generation(
     try:
         run = _Run(entry, params, prompt_ids, max_tokens, deadline, final)
         final.timing.queue_ms = (time.perf_counter() - received_at) * 1000.0
-        async for msg in run.stream():
-            yield msg
+        async with contextlib.aclosing(run.stream()) as stream:
+            async for msg in stream:
+                yield msg
         final.timing.queue_ms += run.worker_queue_ms
         if run.first_token_at is not None:
             final.timing.time_to_first_token_ms = (run.first_token_at - received_at) * 1000.0
@@ -150,6 +149,8 @@ class _Run:
         self.deadline = deadline
         self.final = final
         self.generated: list[int] = []
+        self.attempts = 0
+        self.engine_errors = 0
         self.first_token_at: float | None = None
         self.worker_queue_ms = 0.0
         self.detok = entry.tokenizer.detokenizer(
@@ -163,6 +164,9 @@ class _Run:
         tried: list[WorkerClient] = []
         while True:
             remaining_tokens = self.max_tokens - len(self.generated)
+            if remaining_tokens <= 0:  # the worker died after its last token
+                self.final.finish_reason = FinishReason.FINISH_REASON_LENGTH
+                break
             route = RouteRequest(
                 prompt_ids=self.prompt_ids,
                 max_tokens=remaining_tokens,
@@ -217,6 +221,9 @@ class _Run:
         wreq = build_worker_request(
             p, context, remaining_tokens, max(0, p.min_tokens - len(self.generated))
         )
+        if self.attempts:  # a retry must not collide with the aborting first attempt
+            wreq.request_id = f"{p.request_id}.retry{self.attempts}"
+        self.attempts += 1
         timeout = _remaining(self.deadline)
         if timeout is not None and timeout <= 0:
             self.final.finish_reason = FinishReason.FINISH_REASON_TIME_LIMIT
@@ -224,43 +231,64 @@ class _Run:
             return
         want_logprobs = p.logprobs is not None
         cost = len(context) + remaining_tokens
+        worker_final: worker_pb2.Final | None = None
+        call = None
         worker.in_flight += 1
         worker.in_flight_tokens += cost
-        call = worker.stub.Generate(wreq, timeout=timeout)
-        worker_final: worker_pb2.Final | None = None
         try:
+            call = worker.stub.Generate(wreq, timeout=timeout)
+            worker.calls.add(call)
             async for resp in call:
                 if resp.WhichOneof("response") == "final":
                     worker_final = resp.final
                     break
                 wchunk = resp.chunk
-                ids = wchunk.token_ids
+                ids = list(wchunk.token_ids)
                 self.generated.extend(ids)
                 if self.first_token_at is None:
                     self.first_token_at = time.perf_counter()
                 text = self._match(self.detok.push(ids))
+                if self.final.stop_string:
+                    ids = self._cut_at_stop(ids)
                 chunk = generation_pb2.Chunk(text=text, token_ids=ids)
                 if want_logprobs:
-                    self._copy_logprobs(chunk, wchunk.logprobs)
+                    self._copy_logprobs(chunk, wchunk.logprobs[: len(ids)])
                 yield generation_pb2.GenerateResponse(chunk=chunk)
                 if self.final.stop_string:
                     call.cancel()  # the worker aborts the engine request
                     yield generation_pb2.GenerateResponse(final=self.final)
                     return
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if call is None or call not in worker.ejected or (task and task.cancelling()):
+                raise  # the client went away
+            # The worker was ejected (hung) while this stream was on it: go elsewhere.
+            log.warning("worker ejected mid-stream; failing over", worker=worker.address)
+            yield None
+            return
+        except grpc.aio.UsageError:  # the worker's channel closed under us (unload)
+            yield None
+            return
         except grpc.aio.AioRpcError as e:
             code = e.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self.final.finish_reason = FinishReason.FINISH_REASON_TIME_LIMIT
                 yield generation_pb2.GenerateResponse(final=self.final)
                 return
-            if code not in _FAILOVER_CODES:
+            retry = code in _CONNECTION_LOST or (
+                code in _ENGINE_ERROR and self.engine_errors < MAX_ENGINE_ERROR_RETRIES
+            )
+            if not retry:
                 if not self.generated:
                     raise _worker_error(worker.address, e) from e
                 self.final.finish_reason = FinishReason.FINISH_REASON_ERROR
                 self.final.error_message = f"worker {worker.address}: {code.name}: {e.details()}"
                 yield generation_pb2.GenerateResponse(final=self.final)
                 return
-            worker.breaker.record_failure()
+            if code in _CONNECTION_LOST:
+                worker.breaker.record_failure()
+            else:
+                self.engine_errors += 1
             log.warning(
                 "worker failed; failing over",
                 worker=worker.address,
@@ -273,14 +301,23 @@ class _Run:
         finally:
             worker.in_flight -= 1
             worker.in_flight_tokens -= cost
-            if not call.done():
-                call.cancel()
+            if call is not None:
+                worker.calls.discard(call)
+                worker.ejected.discard(call)
+                if not call.done():
+                    call.cancel()
         if worker_final is None or worker_final.finish_reason == FinishReason.FINISH_REASON_ERROR:
-            worker.breaker.record_failure()
+            error = worker_final.error_message if worker_final else "no final message"
+            if self.engine_errors >= MAX_ENGINE_ERROR_RETRIES:
+                self.final.finish_reason = FinishReason.FINISH_REASON_ERROR
+                self.final.error_message = f"worker {worker.address}: {error}"
+                yield generation_pb2.GenerateResponse(final=self.final)
+                return
+            self.engine_errors += 1
             log.warning(
                 "worker ended the stream without finishing; failing over",
                 worker=worker.address,
-                error=worker_final.error_message if worker_final else "no final",
+                error=error,
             )
             yield None
             return
@@ -288,10 +325,25 @@ class _Run:
         self._take_final(worker_final)
         yield generation_pb2.GenerateResponse(final=self.final)
 
+    def _cut_at_stop(self, ids: list[int]) -> list[int]:
+        """The chunk's ids up to the token that completed the stop string; later ones were
+        generated but are not part of the answer (nor of the usage)."""
+        if len(ids) <= 1:
+            return ids
+        base = len(self.generated) - len(ids)
+        decode = self.entry.tokenizer.decode
+        stop = self.final.stop_string
+        for k in range(1, len(ids)):
+            if stop in decode(self.generated[: base + k], self.params.skip_special_tokens):
+                del self.generated[base + k :]
+                return ids[:k]
+        return ids
+
     def _take_final(self, wf: worker_pb2.Final) -> None:
         f = self.final
         f.finish_reason = wf.finish_reason
-        f.usage.cached_prompt_tokens = wf.usage.cached_prompt_tokens
+        # After a resume the worker's prompt includes generated tokens; cap at the prompt.
+        f.usage.cached_prompt_tokens = min(wf.usage.cached_prompt_tokens, len(self.prompt_ids))
         self.worker_queue_ms += wf.queue_ms
         which = wf.WhichOneof("stop_reason")
         if which == "eos_token_id":
@@ -314,4 +366,6 @@ def _worker_error(address: str, e: grpc.aio.AioRpcError) -> Exception:
     details = e.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidArgument.one("request", f"rejected by worker {address}: {details}")
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return AlreadyExists(f"request_id is already in flight: {details}")
     return WorkerFailed(address, f"{code.name}: {details}")

@@ -25,6 +25,7 @@ from control.worker_client import HealthPolicy, WorkerClient, WorkerInfo
 log = structlog.get_logger(__name__)
 
 WORKER_READY_TIMEOUT_S = 600.0
+REMOTE_READY_TIMEOUT_S = 120.0
 
 
 class StartupError(RuntimeError):
@@ -109,16 +110,20 @@ class ModelLoader:
                     c for c, g in zip(clients, got, strict=True) if isinstance(g, WorkerInfo)
                 ]
             else:
-                infos = await asyncio.gather(*(self._wait_worker(c, local) for c in clients))
+                async with asyncio.TaskGroup() as tg:  # one failure cancels the others
+                    waits = [tg.create_task(self._wait_worker(c, local)) for c in clients]
+                infos = [w.result() for w in waits]
             info = self._agree(spec, infos)
             if tokenizer.vocab_size > info.vocab_size:
                 raise StartupError(
                     f"model {spec.name}: the tokenizer has {tokenizer.vocab_size} tokens but "
                     f"the model only {info.vocab_size}"
                 )
-        except BaseException:
-            await asyncio.gather(*(w.stop() for w in local), return_exceptions=True)
+        except BaseException as e:
             await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+            await asyncio.gather(*(w.stop() for w in local), return_exceptions=True)
+            if isinstance(e, Exception) and not isinstance(e, StartupError):
+                raise StartupError(f"model {spec.name}: {type(e).__name__}: {e}") from e
             raise
         finally:
             self.loading.discard(spec.name)
@@ -150,15 +155,19 @@ class ModelLoader:
 
     async def _wait_worker(self, client: WorkerClient, local: list[LocalWorker]) -> WorkerInfo:
         proc = next((lw for lw in local if lw.address == client.address), None)
-        ready = asyncio.create_task(client.wait_ready(WORKER_READY_TIMEOUT_S))
         if proc is None or proc.proc is None:
-            return await ready
+            # A remote worker is expected up already; an engine we start may take minutes.
+            return await client.wait_ready(REMOTE_READY_TIMEOUT_S)
+        ready = asyncio.create_task(client.wait_ready(WORKER_READY_TIMEOUT_S))
         died = asyncio.create_task(proc.proc.wait())
-        done, _ = await asyncio.wait({ready, died}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({ready, died}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (ready, died):
+                if not t.done():
+                    t.cancel()
         if ready in done:
-            died.cancel()
             return ready.result()
-        ready.cancel()
         raise StartupError(
             f"worker {proc.name} exited with code {proc.exited} before it was ready "
             "(its log is above)"
@@ -174,6 +183,7 @@ class ModelLoader:
         task = self._discovery.pop(name, None)
         if task is not None:
             task.cancel()
+        # Stop routing to its workers at once (their channels close after the grace).
         adm = entry.admission
         at_start = adm.running + adm.queued
         deadline = time.monotonic() + grace_s
@@ -201,7 +211,7 @@ class ModelLoader:
         await asyncio.gather(*(w.stop() for w in entry.local), return_exceptions=True)
 
     async def stop_all(self) -> None:
-        for task in self._discovery.values():
+        for task in [*self._discovery.values(), *self._background]:
             task.cancel()
         await asyncio.gather(
             *(self.stop_entry(e) for e in self.registry.all()), return_exceptions=True
@@ -222,7 +232,7 @@ class ModelLoader:
             known = {w.address for w in entry.workers}
             for address in sorted(current - known - self._joining):
                 self._spawn(self._join(entry, address), f"join {address}")
-            for w in [w for w in entry.workers if w.address not in current and not w.draining]:
+            for w in [w for w in entry.workers if w.address not in current and not w.leaving]:
                 self._spawn(self._leave(entry, w), f"leave {w.address}")
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
@@ -235,6 +245,9 @@ class ModelLoader:
         client = WorkerClient(address, health_policy(entry.spec))
         try:
             await client.wait_ready(max(10.0, entry.spec.dns_interval_s * 3))
+            if self.registry.find(entry.name) is not entry or not entry.accepting:
+                await client.close()  # the model went away meanwhile
+                return
             entry.workers.append(client)
             log.info("worker joined", model=entry.name, worker=address)
         except Exception as e:
@@ -244,6 +257,7 @@ class ModelLoader:
             self._joining.discard(address)
 
     async def _leave(self, entry: ModelEntry, worker: WorkerClient) -> None:
+        worker.leaving = True
         await self.drain_worker(worker, grace_s=60.0)
         if worker in entry.workers:
             entry.workers.remove(worker)

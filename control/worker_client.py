@@ -11,6 +11,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
@@ -59,7 +60,7 @@ class Load:
     updated: float = 0.0
 
 
-class WorkerNotReady(Exception):
+class WorkerNotReady(RuntimeError):
     pass
 
 
@@ -82,11 +83,14 @@ class WorkerClient:
         self.info: WorkerInfo | None = None
         self.serving = False
         self.draining = False
+        self.leaving = False  # gone from DNS; removed once drained
         self.in_flight = 0
         self.in_flight_tokens = 0
         self.load = Load()
         self.breaker = CircuitBreaker(failure_threshold=self.health_policy.failure_threshold)
         self.last_canary_ms: float | None = None
+        self.calls: set[Any] = set()  # Generate calls in flight on this worker
+        self.ejected: set[Any] = set()  # calls cancelled because the worker was ejected
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -178,7 +182,15 @@ class WorkerClient:
                 was = self.breaker.allows_traffic()
                 self.breaker.record_failure()
                 if was and not self.breaker.allows_traffic():
-                    log.warning("worker ejected: canary failing", worker=self.address)
+                    log.warning(
+                        "worker ejected: canary failing",
+                        worker=self.address,
+                        streams_moved=len(self.calls),
+                    )
+                    # Streams on a hung worker would hang with it: move them elsewhere.
+                    for call in list(self.calls):
+                        self.ejected.add(call)
+                        call.cancel()
 
     async def probe(self, timeout: float) -> bool:
         assert self.info is not None
@@ -234,6 +246,8 @@ class WorkerClient:
             log.warning("abort failed", worker=self.address, code=e.code().name)
 
     async def close(self) -> None:
+        self.serving = False
+        self.draining = True
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

@@ -89,6 +89,8 @@ class WorkerServicer:
                 deadline = time.monotonic() + max(budget, 0.0)
             await self._stream(parsed, state, context, arrived, deadline)
         except TimeoutError:
+            if state.finished:  # the deadline fell just after the final went out
+                return
             # The engine request is aborted; the caller, still listening, hears TIME_LIMIT.
             log.info("generate deadline expired", request_id=request_id)
             await self._guard_abort(state)
@@ -139,45 +141,44 @@ class WorkerServicer:
         try:
             # After the finished output the generator ends by itself; leaving the loop
             # early would make it abort a request that is already done.
-            it = aiter(outputs)
-            while True:
-                left = None if deadline is None else deadline - time.monotonic()
-                try:
-                    out = await asyncio.wait_for(anext(it), left)
-                except StopAsyncIteration:
-                    break
-                completion = out.outputs[0]
-                cached_tokens = int(getattr(out, "num_cached_tokens", None) or cached_tokens)
-                if state.aborted:
-                    if not out.finished:
-                        # The Abort RPC came before the engine knew this request.
-                        await llm.abort(state.request_id)
-                        continue
-                else:
-                    token_ids = list(completion.token_ids)
-                    if token_ids:
-                        if first_token_at is None:
-                            first_token_at = time.monotonic()
-                        chunk = worker_pb2.Chunk(token_ids=token_ids)
-                        if parsed.logprobs is not None and completion.logprobs:
-                            chunk.logprobs.extend(
-                                _logprobs(token_ids, completion.logprobs, parsed.logprobs)
-                            )
-                        await _write(context, worker_pb2.GenerateResponse(chunk=chunk))
-                        completion_tokens += len(token_ids)
-                        state.completion_tokens = completion_tokens
-                        last_token = token_ids[-1]
-                        self._rate.add(len(token_ids))
-                if out.finished:
-                    state.finished = True
-                    final = self._final(parsed, state, completion, last_token)
-                    final.usage.prompt_tokens = len(parsed.prompt_token_ids)
-                    final.usage.completion_tokens = completion_tokens
-                    final.usage.cached_prompt_tokens = cached_tokens
-                    final.queue_ms = _queue_ms(getattr(out, "metrics", None))
-                    if first_token_at is not None:
-                        final.time_to_first_token_ms = (first_token_at - arrived) * 1000.0
-                    await _write(context, worker_pb2.GenerateResponse(final=final))
+            loop = asyncio.get_running_loop()
+            when = None if deadline is None else loop.time() + (deadline - time.monotonic())
+            async with asyncio.timeout_at(when) as budget:
+                async for out in outputs:
+                    completion = out.outputs[0]
+                    cached_tokens = int(getattr(out, "num_cached_tokens", None) or cached_tokens)
+                    if state.aborted:
+                        if not out.finished:
+                            # The Abort RPC came before the engine knew this request.
+                            await llm.abort(state.request_id)
+                            continue
+                    else:
+                        token_ids = list(completion.token_ids)
+                        if token_ids:
+                            if first_token_at is None:
+                                first_token_at = time.monotonic()
+                            chunk = worker_pb2.Chunk(token_ids=token_ids)
+                            if parsed.logprobs is not None and completion.logprobs:
+                                chunk.logprobs.extend(
+                                    _logprobs(token_ids, completion.logprobs, parsed.logprobs)
+                                )
+                            msg = worker_pb2.GenerateResponse(chunk=chunk)
+                            await _write_outside(budget, when, context, msg)
+                            completion_tokens += len(token_ids)
+                            state.completion_tokens = completion_tokens
+                            last_token = token_ids[-1]
+                            self._rate.add(len(token_ids))
+                    if out.finished:
+                        state.finished = True
+                        final = self._final(parsed, state, completion, last_token)
+                        final.usage.prompt_tokens = len(parsed.prompt_token_ids)
+                        final.usage.completion_tokens = completion_tokens
+                        final.usage.cached_prompt_tokens = cached_tokens
+                        final.queue_ms = _queue_ms(getattr(out, "metrics", None))
+                        if first_token_at is not None:
+                            final.time_to_first_token_ms = (first_token_at - arrived) * 1000.0
+                        msg = worker_pb2.GenerateResponse(final=final)
+                        await _write_outside(budget, when, context, msg)
         except (asyncio.CancelledError, TimeoutError, WorkerError, StreamClosed):
             raise
         except Exception as exc:
@@ -321,6 +322,18 @@ class WorkerServicer:
 
 class StreamClosed(Exception):
     """Writing to the RPC failed: the client is gone, nobody reads the rest."""
+
+
+async def _write_outside(
+    budget: asyncio.Timeout, when: float | None, context: Context, message: Any
+) -> None:
+    """Write with the deadline paused: it covers waiting on the engine, and a write cut
+    off half-way would leave the stream unusable for the TIME_LIMIT final."""
+    budget.reschedule(None)
+    try:
+        await _write(context, message)
+    finally:
+        budget.reschedule(when)
 
 
 async def _write(context: Context, message: Any) -> None:

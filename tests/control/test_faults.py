@@ -16,7 +16,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
-from switchyard.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from switchyard.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from control.supervisor import free_port
@@ -331,3 +331,34 @@ def test_model_health_follows_its_workers(tmp_path: Path, stopping: list[Proc]) 
         while status("sim") != health_pb2.HealthCheckResponse.SERVING:
             assert time.monotonic() < deadline, "model did not come back"
             time.sleep(0.05)
+
+
+def test_streams_on_a_hung_worker_move_to_another(tmp_path: Path, stopping: list[Proc]) -> None:
+    ctl = serve(tmp_path, sim_model(replicas=2, step=2000))
+    stopping.append(ctl)
+    with grpc.insecure_channel(ctl.address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        call = stub.Generate(req(600), timeout=30)  # no hang even without a tight deadline
+        first = next(call)
+        tokens = len(first.chunk.token_ids)
+        # Which worker has it? The one whose load shows a running request.
+        admin = admin_pb2_grpc.AdminStub(ch)
+        busy = [w for w in admin.ListWorkers(admin_pb2.ListWorkersRequest()).workers if w.in_flight]
+        assert len(busy) == 1
+        pid = worker_pid(busy[0].address)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            final = None
+            for msg in call:
+                if msg.HasField("chunk"):
+                    tokens += len(msg.chunk.token_ids)
+                else:
+                    final = msg.final
+            moved_after = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert final is not None and final.finish_reason == FR.FINISH_REASON_LENGTH
+    assert tokens == final.usage.completion_tokens == 600
+    assert final.worker != busy[0].address
+    print(f"\nhung worker: its stream finished on another worker {moved_after:.2f} s later")

@@ -134,7 +134,7 @@ def test_ignore_eos(stub: generation_pb2_grpc.GenerationStub) -> None:
 
 
 def test_stop_string_across_chunks_aborts_worker(
-    stub: generation_pb2_grpc.GenerationStub, worker: Proc
+    stub: generation_pb2_grpc.GenerationStub, worker: Proc, tokenizer: Tokenizer
 ) -> None:
     base = request("Tokens stream back", max_tokens=60, ignore_eos=True)
     chunks, _ = stream(stub, base)
@@ -156,7 +156,11 @@ def test_stop_string_across_chunks_aborts_worker(
     assert final.finish_reason == FR.FINISH_REASON_STOP
     assert final.stop_string == stop
     assert "".join(c.text for c in chunks) == expected
-    assert final.usage.completion_tokens == sum(len(c.token_ids) for c in chunks) < 60
+    ids = [t for c in chunks for t in c.token_ids]
+    assert final.usage.completion_tokens == len(ids) < 60
+    # The last token is the one that completed the stop string; nothing after it counts.
+    assert stop in tokenizer.decode(ids, skip_special_tokens=True)
+    assert stop not in tokenizer.decode(ids[:-1], skip_special_tokens=True)
     wait_worker_idle(worker, within_s=1.0)
 
     req.stopping.include_stop_str_in_output = True

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from switchyard.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from switchyard.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from control.supervisor import free_port
@@ -116,6 +116,15 @@ async def test_200_concurrent_streams_with_random_cancellations(sim_control: Pro
     assert outcome["cancelled"] > 20
     workers = {w for w in results if w}
     assert len(workers) == 1
+    # The control plane's own books balance: nothing left in flight on the worker.
+    async with grpc.aio.insecure_channel(sim_control.address) as ch:
+        admin = admin_pb2_grpc.AdminStub(ch)
+        for _ in range(50):
+            listed = (await admin.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=5)).workers
+            if all(w.in_flight == 0 for w in listed):
+                break
+            await asyncio.sleep(0.02)
+        assert [w.in_flight for w in listed] == [0]
     # The worker's running count returns to 0.
     async with grpc.aio.insecure_channel(workers.pop()) as wch:
         wstub = worker_pb2_grpc.WorkerStub(wch)

