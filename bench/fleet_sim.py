@@ -32,7 +32,7 @@ from math import nan
 from pathlib import Path
 from typing import Any
 
-import switchyard_runtime as rt  # type: ignore[import-not-found]
+import switchyard_runtime as rt
 
 from control.routing import POLICIES, Policy, RouteRequest, make_policy
 

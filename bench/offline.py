@@ -26,13 +26,11 @@ def main() -> None:
 
     work = Workload(
         requests=args.requests,
-        prompt_len=tuple(args.prompt_len),  # type: ignore[arg-type]
-        output_len=tuple(args.output_len),  # type: ignore[arg-type]
+        prompt_len=tuple(args.prompt_len),
+        output_len=tuple(args.output_len),
         seed=args.seed,
     ).items()
-    llm = LLM(
-        model=args.model, max_model_len=2048, max_num_batched_tokens=16384, dtype="float32"
-    )
+    llm = LLM(model=args.model, max_model_len=2048, max_num_batched_tokens=16384, dtype="float32")
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in work]
     params = [SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False) for _, n in work]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up

@@ -91,8 +91,21 @@ def pyworker(model: Path, log_dir: Path) -> Iterator[str]:
     port = free_port()
     proc = start(
         "pyworker",
-        [sys.executable, "-m", "pyworker", "--model", str(model), "--port", str(port),
-         "--max-model-len", "2048", "--max-num-batched-tokens", "16384", "--dtype", "float32"],
+        [
+            sys.executable,
+            "-m",
+            "pyworker",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--max-model-len",
+            "2048",
+            "--max-num-batched-tokens",
+            "16384",
+            "--dtype",
+            "float32",
+        ],
         log_dir,
     )
     try:
@@ -138,8 +151,18 @@ def vllm_grpc_server(model: Path, log_dir: Path) -> Iterator[str]:
     port = free_port()
     proc = start(
         "vllm-grpc",
-        [sys.executable, "-m", "vllm.entrypoints.grpc_server", "--model", str(model),
-         "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS],
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.grpc_server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *ENGINE_ARGS,
+        ],
         log_dir,
     )
     try:
@@ -156,9 +179,22 @@ def smg_gateway(worker: str, log_dir: Path) -> Iterator[str]:
     smg = str(Path(sys.executable).parent / "smg")
     proc = start(
         "smg",
-        [smg, "launch", "--host", "127.0.0.1", "--port", str(port),
-         "--worker-urls", f"grpc://{worker}", "--policy", "round_robin",
-         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+        [
+            smg,
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            f"grpc://{worker}",
+            "--policy",
+            "round_robin",
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+        ],
         log_dir,
     )
     try:
@@ -173,8 +209,18 @@ def vllm_openai_server(model: Path, log_dir: Path) -> Iterator[str]:
     port = free_port()
     proc = start(
         "vllm-openai",
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-         "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS],
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *ENGINE_ARGS,
+        ],
         log_dir,
     )
     try:
@@ -196,11 +242,29 @@ def sim_workers(n: int, log_dir: Path, step_us: int = 200) -> Iterator[list[str]
             procs.append(
                 start(
                     f"sim-{i}",
-                    [cpp_worker_binary(), "--engine", "sim", "--port", str(port),
-                     "--sim-vocab-size", "512", "--sim-max-context", "2048", "--sim-eos-id", "1",
-                     "--sim-decode-step-us", str(step_us), "--sim-decode-us-per-request", "0",
-                     "--sim-prefill-us-per-token", "0", "--sim-max-batch", "4096",
-                     "--sim-kv-blocks", "1000000"],
+                    [
+                        cpp_worker_binary(),
+                        "--engine",
+                        "sim",
+                        "--port",
+                        str(port),
+                        "--sim-vocab-size",
+                        "512",
+                        "--sim-max-context",
+                        "2048",
+                        "--sim-eos-id",
+                        "1",
+                        "--sim-decode-step-us",
+                        str(step_us),
+                        "--sim-decode-us-per-request",
+                        "0",
+                        "--sim-prefill-us-per-token",
+                        "0",
+                        "--sim-max-batch",
+                        "4096",
+                        "--sim-kv-blocks",
+                        "1000000",
+                    ],
                     log_dir,
                 )
             )

@@ -1,0 +1,211 @@
+"""docs/benchmarks.md (and its PNG plots) from one run's results."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("worker", "switchyard", "vllm-grpc", "smg", "vllm-openai")
+LABELS = {
+    "worker": "Switchyard vLLM worker, direct",
+    "switchyard": "Switchyard control plane → worker",
+    "vllm-grpc": "vLLM gRPC server",
+    "smg": "SMG gateway → vLLM gRPC server",
+    "vllm-openai": "vLLM OpenAI HTTP server",
+}
+
+
+def _by(results: list[dict[str, Any]]) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    out: dict[str, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        out[r["system"]][int(r["load"])].append(r)
+    return out
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def _spread(values: list[float]) -> str:
+    return "" if len(values) < 2 else f" ({min(values):,.0f}-{max(values):,.0f})"
+
+
+def write(data: dict[str, Any], out_dir: Path) -> None:
+    results: list[dict[str, Any]] = data["results"]
+    by = _by(results)
+    conc = sorted({int(r["load"]) for r in results})
+    offline = float(data["offline"]["tokens_per_s"])
+    tput = {
+        s: {c: _median([r["output_tokens_per_s"] for r in by[s][c]]) for c in by[s]} for s in by
+    }
+    ttft50 = {s: {c: _median([r["ttft_ms"]["p50"] for r in by[s][c]]) for c in by[s]} for s in by}
+    ttft99 = {s: {c: _median([r["ttft_ms"]["p99"] for r in by[s][c]]) for c in by[s]} for s in by}
+    systems = [s for s in SYSTEMS if s in by]
+    lines: list[str] = []
+    add = lines.append
+    m, v = data["machine"], data["versions"]
+    add("# Benchmarks: Switchyard beside vLLM's own servers and the SMG gateway\n")
+    add(
+        f"Produced by `{data['command']}` in {float(data['minutes']):.1f} minutes. "
+        "Every system serves the same generated tiny Llama on vLLM for the CPU (float32, "
+        "`max_num_batched_tokens` 16384), started by the benchmark on loopback, one engine "
+        "at a time. Closed loop: each concurrency level runs 2xconcurrency requests (at "
+        "least 8) of "
+        "the same seeded workload with `ignore_eos`. Systems "
+        "that share an engine (the worker and the control plane in front of it; vLLM's gRPC "
+        "server and SMG in front of it) are measured alternately at each level.\n"
+    )
+    add(
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB, Python {m['python']}. "
+        "The engine's busy loop takes most of one core, and the load generator and every "
+        "serving front share the other, so these ratios describe this 2-core machine, not a "
+        "GPU host. Runs of the same system vary by up to 2x here; treat single-run "
+        "differences under ~20% as noise.\n"
+    )
+    add("Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + ".\n")
+    add(
+        f"Offline ceiling (`vllm.LLM.generate`, {int(data['offline']['requests'])} requests "
+        f"at once): **{offline:,.0f} output tokens/s**.\n"
+    )
+
+    add("## Throughput (output tokens/s; ratio to offline in brackets)\n")
+    add("| concurrency | " + " | ".join(LABELS[s] for s in systems) + " |")
+    add("|---|" + "---|" * len(systems))
+    for c in conc:
+        cells = []
+        for s in systems:
+            t = tput[s].get(c, float("nan"))
+            spread = _spread([r["output_tokens_per_s"] for r in by[s].get(c, [])])
+            cells.append(f"{t:,.0f}{spread} [{t / offline:.2f}]")
+        add(f"| {c} | " + " | ".join(cells) + " |")
+    add("")
+
+    if "switchyard" in tput and "worker" in tput:
+        add("## The control plane against the worker it fronts, and against the peers\n")
+        peers = [s for s in ("vllm-grpc", "smg", "vllm-openai") if s in tput]
+        add(
+            "| concurrency | throughput vs direct worker | TTFT p50 overhead ms | "
+            "TTFT p99 overhead ms | " + " | ".join(f"vs {p}" for p in peers) + " |"
+        )
+        add("|---|---|---|---|" + "---|" * len(peers))
+        for c in conc:
+            sw, w = tput["switchyard"].get(c), tput["worker"].get(c)
+            if sw is None or w is None:
+                continue
+            d50 = ttft50["switchyard"][c] - ttft50["worker"][c]
+            d99 = ttft99["switchyard"][c] - ttft99["worker"][c]
+            vs = [f"{sw / tput[p][c]:.2f}" if c in tput[p] else "-" for p in peers]
+            add(f"| {c} | {sw / w:.3f} | {d50:+.2f} | {d99:+.2f} | " + " | ".join(vs) + " |")
+        add("")
+
+    add("## Time to first token (ms, p50 / p99)\n")
+    add("| concurrency | " + " | ".join(LABELS[s] for s in systems) + " |")
+    add("|---|" + "---|" * len(systems))
+    for c in conc:
+        cells = [
+            f"{ttft50[s].get(c, float('nan')):.1f} / {ttft99[s].get(c, float('nan')):.1f}"
+            for s in systems
+        ]
+        add(f"| {c} | " + " | ".join(cells) + " |")
+    add("")
+
+    ceiling = data.get("control_plane_ceiling") or []
+    if ceiling:
+        add("## The control plane's own ceiling (C++ simulator workers, never the bottleneck)\n")
+        add(
+            "Two C++ workers on the simulator (200 µs a step, no prefill cost), one control "
+            "plane process; 256 output tokens a request.\n"
+        )
+        add(
+            "| concurrent streams | output tokens/s | requests/s | TTFT p50 ms | TTFT p99 ms | "
+            "tokens per message |"
+        )
+        add("|---|---|---|---|---|---|")
+        for r in ceiling:
+            add(
+                f"| {int(r['load'])} | {r['output_tokens_per_s']:,.0f} | "
+                f"{r['requests_per_s']:.1f} | {r['ttft_ms']['p50']:.1f} | "
+                f"{r['ttft_ms']['p99']:.1f} | {r['tokens_per_message']:.1f} |"
+            )
+        add("")
+        mem = data.get("memory", {})
+        if mem:
+            add(
+                "Control-plane memory (RSS): "
+                + ", ".join(
+                    f"{k.replace('_mb', '').replace('_', ' ')} {val:.0f} MB"
+                    for k, val in mem.items()
+                )
+                + ".\n"
+            )
+        add(
+            "Several control-plane processes behind one port (SO_REUSEPORT routers) are not "
+            "built yet, so only the single-process ceiling is shown.\n"
+        )
+
+    errors = [r for r in results if r["errors"]]
+    if errors:
+        add("## Errors\n")
+        for r in errors:
+            add(
+                f"- {r['system']} at {int(r['load'])}: {r['errors']} failed "
+                f"(first: {r['first_error']})"
+            )
+        add("")
+
+    add("![throughput](bench-throughput.png)\n")
+    add("![ttft](bench-ttft.png)\n")
+    add("Raw numbers: `docs/benchmarks.json`.\n")
+    (out_dir / "benchmarks.md").write_text("\n".join(lines))
+    _plots(tput, ttft50, ttft99, offline, systems, conc, out_dir)
+
+
+def _plots(
+    tput: dict[str, dict[int, float]],
+    ttft50: dict[str, dict[int, float]],
+    ttft99: dict[str, dict[int, float]],
+    offline: float,
+    systems: list[str],
+    conc: list[int],
+    out_dir: Path,
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for s in systems:
+        cs = sorted(tput[s])
+        ax.plot(cs, [tput[s][c] for c in cs], marker="o", label=LABELS[s])
+    ax.axhline(offline, color="grey", linestyle="--", label="offline engine")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Throughput against concurrency (tiny model, vLLM CPU)")
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "bench-throughput.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    width = 0.8 / max(len(systems), 1)
+    for i, s in enumerate(systems):
+        xs = [j + i * width for j in range(len(conc))]
+        ax.bar(xs, [ttft50[s].get(c, 0) for c in conc], width, label=f"{LABELS[s]} p50")
+        ax.scatter(xs, [ttft99[s].get(c, 0) for c in conc], marker="_", s=200, color="black")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(conc))], [str(c) for c in conc])
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("time to first token, ms (bar p50, tick p99)")
+    ax.set_title("TTFT distribution")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "bench-ttft.png", dpi=110)
+    plt.close(fig)
