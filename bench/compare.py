@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,12 +77,15 @@ async def measure(target: Target, setting: Setting, c: int, repeat: int) -> Summ
         tok_s=round(s.output_tokens_per_s),
         ttft_p50_ms=round(s.ttft_ms["p50"], 1),
         errors=s.errors,
+        first_error=s.first_error,
     )
     return s
 
 
-async def sweep(targets: list[Target], setting: Setting) -> list[Summary]:
-    """Each concurrency, each repeat: the targets in turn (alternating, same engine)."""
+async def sweep(factories: list[Callable[[], Target]], setting: Setting) -> list[Summary]:
+    """Each concurrency, each repeat: the targets in turn (alternating, same engine).
+    Targets are made here, inside the event loop their channels belong to."""
+    targets = [make() for make in factories]
     out: list[Summary] = []
     for c in setting.concurrency:
         for r in range(setting.repeats):
@@ -129,17 +133,25 @@ def run(setting_name: str, out_dir: Path) -> dict[str, object]:
         ):
             results += asyncio.run(
                 sweep(
-                    [WorkerTarget(worker, "worker"), SwitchyardTarget(ctl, "tiny", "switchyard")],
+                    [
+                        lambda: WorkerTarget(worker, "worker"),
+                        lambda: SwitchyardTarget(ctl, "tiny", "switchyard"),
+                    ],
                     setting,
                 )
             )
     with systems.vllm_grpc_server(model, logs) as vgrpc:
         with systems.smg_gateway(vgrpc, logs) as smg:
             results += asyncio.run(
-                sweep([VllmGrpcTarget(vgrpc), SmgGenerateTarget(smg, str(model))], setting)
+                sweep(
+                    [lambda: VllmGrpcTarget(vgrpc), lambda: SmgGenerateTarget(smg, str(model))],
+                    setting,
+                )
             )
     with systems.vllm_openai_server(model, logs) as http:
-        results += asyncio.run(sweep([OpenAIHttpTarget(http, str(model), "vllm-openai")], setting))
+        results += asyncio.run(
+            sweep([lambda: OpenAIHttpTarget(http, str(model), "vllm-openai")], setting)
+        )
     ceiling = offline(model, setting)
 
     sim_results: list[Summary] = []
@@ -153,12 +165,11 @@ def run(setting_name: str, out_dir: Path) -> dict[str, object]:
         with systems.control_plane(model_yaml, logs, "control-sim") as (ctl, proc):
             memory["rss_start_mb"] = systems.rss_mb(proc)
             sim_setting = Setting(setting.sim_concurrency, setting.prompt_len, (256, 256), 1, ())
-            target = SwitchyardTarget(ctl, "sim", "switchyard+sim")
             for rnd in range(2):  # the second round shows whether memory keeps growing
-                sim_results = asyncio.run(sweep([target], sim_setting))
+                sim_results = asyncio.run(
+                    sweep([lambda: SwitchyardTarget(ctl, "sim", "switchyard+sim")], sim_setting)
+                )
                 memory[f"rss_after_round_{rnd + 1}_mb"] = systems.rss_mb(proc)
-                target = SwitchyardTarget(ctl, "sim", "switchyard+sim")
-            asyncio.run(target.close())
 
     data: dict[str, object] = {
         "setting": setting_name,
