@@ -38,6 +38,7 @@ from bench.loadgen import (
     closed_loop,
     summarize,
 )
+from bench.offline import RESULT_PREFIX
 from control.logs import configure_logging
 from control.tinymodel import ensure_tiny_model
 
@@ -113,7 +114,8 @@ def offline(model: Path, setting: Setting) -> dict[str, float]:
         *map(str, setting.output_len),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    line = next(x for x in out.stdout.splitlines() if x.startswith(RESULT_PREFIX))
+    result: dict[str, float] = json.loads(line[len(RESULT_PREFIX) :])
     result["requests"] = n
     log.info("measured", system="offline", tok_s=round(result["tokens_per_s"]))
     return result

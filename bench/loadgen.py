@@ -134,10 +134,8 @@ class OpenAIHttpTarget:
         }
         async with self._client.stream("POST", "/v1/completions", json=body) as resp:
             resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
+            async for line in _sse_data(resp):
+                event = json.loads(line)
                 for choice in event.get("choices", []):
                     ids = choice.get("token_ids")
                     # Servers without token ids send one token per event.
@@ -199,16 +197,27 @@ class SmgGenerateTarget:
         seen = 0
         async with self._client.stream("POST", "/generate", json=body) as resp:
             resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                done = json.loads(line[6:]).get("meta_info", {}).get("completion_tokens", seen)
+            async for line in _sse_data(resp):
+                done = json.loads(line).get("meta_info", {}).get("completion_tokens", seen)
                 if done > seen:  # cumulative; the last event repeats the last delta
                     yield done - seen
                     seen = done
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+async def _sse_data(resp: Any) -> AsyncIterator[str]:
+    """The `data:` payloads of a server-sent-event stream. Lines split on b"\\n" only:
+    generated text can hold U+2028 and other characters that str.splitlines breaks on."""
+    buf = b""
+    async for part in resp.aiter_bytes():
+        buf += part
+        *lines, buf = buf.split(b"\n")
+        for raw in lines:
+            line = raw.rstrip(b"\r")
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                yield line[6:].decode()
 
 
 async def _one(target: Target, prompt: list[int], max_tokens: int) -> Record:

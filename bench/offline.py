@@ -10,6 +10,8 @@ import json
 import os
 import time
 
+RESULT_PREFIX = "BENCH_RESULT "  # vLLM logs to stdout too
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -38,7 +40,8 @@ def main() -> None:
     outs = llm.generate(prompts, params, use_tqdm=False)
     took = time.perf_counter() - started
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(json.dumps({"output_tokens": tokens, "seconds": took, "tokens_per_s": tokens / took}))
+    result = {"output_tokens": tokens, "seconds": took, "tokens_per_s": tokens / took}
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
