@@ -52,10 +52,23 @@ class Setting:
     output_len: tuple[int, int]
     repeats: int
     sim_concurrency: tuple[int, ...]
+    per_client: int = 4  # requests per concurrent client at each level
+    minimum: int = 16
+
+    def requests(self, concurrency: int) -> int:
+        return max(self.minimum, self.per_client * concurrency)
+
+    def describe(self) -> str:
+        return (
+            f"{self.per_client}x concurrency requests (at least {self.minimum}) of "
+            f"{self.prompt_len[0]}-{self.prompt_len[1]} prompt and "
+            f"{self.output_len[0]}-{self.output_len[1]} output tokens, "
+            f"{self.repeats} alternating run(s) per level (median shown)"
+        )
 
     def workload(self, concurrency: int, seed: int) -> Workload:
         return Workload(
-            requests=max(8, 2 * concurrency),
+            requests=self.requests(concurrency),
             prompt_len=self.prompt_len,
             output_len=self.output_len,
             seed=seed,
@@ -63,8 +76,8 @@ class Setting:
 
 
 SETTINGS = {
-    "quick": Setting((1, 4, 16, 64), (128, 128), (64, 64), 1, (16, 64, 256)),
-    "full": Setting((1, 4, 16, 64, 256), (128, 128), (256, 256), 3, (16, 64, 256, 1024)),
+    "quick": Setting((1, 4, 16, 64), (128, 128), (128, 128), 2, (16, 64, 256)),
+    "full": Setting((1, 4, 16, 64, 256), (128, 128), (256, 256), 5, (16, 64, 256, 1024)),
 }
 
 
@@ -99,7 +112,7 @@ async def sweep(factories: list[Callable[[], Target]], setting: Setting) -> list
 
 
 def offline(model: Path, setting: Setting) -> dict[str, float]:
-    n = max(8, 2 * max(setting.concurrency))
+    n = setting.requests(max(setting.concurrency))
     cmd = [
         sys.executable,
         "-m",
@@ -175,6 +188,7 @@ def run(setting_name: str, out_dir: Path) -> dict[str, object]:
 
     data: dict[str, object] = {
         "setting": setting_name,
+        "workload": setting.describe(),
         "command": f"./scripts/bench --setting {setting_name}",
         "machine": machine(),
         "versions": versions(),

@@ -54,9 +54,8 @@ def write(data: dict[str, Any], out_dir: Path) -> None:
         f"Produced by `{data['command']}` in {float(data['minutes']):.1f} minutes. "
         "Every system serves the same generated tiny Llama on vLLM for the CPU (float32, "
         "`max_num_batched_tokens` 16384), started by the benchmark on loopback, one engine "
-        "at a time. Closed loop: each concurrency level runs 2xconcurrency requests (at "
-        "least 8) of "
-        "the same seeded workload with `ignore_eos`. Systems "
+        f"at a time. Closed loop, the same seeded workload with `ignore_eos`: "
+        f"{data['workload']}. Systems "
         "that share an engine (the worker and the control plane in front of it; vLLM's gRPC "
         "server and SMG in front of it) are measured alternately at each level.\n"
     )

@@ -85,37 +85,6 @@ def wait_http_ok(proc: Proc, url: str) -> float:
     raise TimeoutError(f"{proc.name} not ready at {url}:\n{proc.tail()}")
 
 
-@contextlib.contextmanager
-def pyworker(model: Path, log_dir: Path) -> Iterator[str]:
-    """Switchyard's vLLM worker; yields its address."""
-    port = free_port()
-    proc = start(
-        "pyworker",
-        [
-            sys.executable,
-            "-m",
-            "pyworker",
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-            "--max-model-len",
-            "2048",
-            "--max-num-batched-tokens",
-            "16384",
-            "--dtype",
-            "float32",
-        ],
-        log_dir,
-    )
-    try:
-        took = wait_grpc_serving(proc, f"127.0.0.1:{port}")
-        log.info("ready", system="pyworker", seconds=round(took, 1))
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.stop()
-
-
 def rss_mb(proc: Proc) -> float:
     for line in Path(f"/proc/{proc.popen.pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -147,88 +116,65 @@ def remote_model(name: str, model: Path, worker: str, limits: int = 4096) -> str
 
 
 @contextlib.contextmanager
-def vllm_grpc_server(model: Path, log_dir: Path) -> Iterator[str]:
-    port = free_port()
-    proc = start(
-        "vllm-grpc",
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.grpc_server",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *ENGINE_ARGS,
-        ],
-        log_dir,
-    )
+def _server(name: str, argv: list[str], log_dir: Path, ready: str) -> Iterator[None]:
+    """Start a server, wait until `ready` answers (a gRPC address, or an HTTP URL that
+    must return 200), and stop it on the way out."""
+    proc = start(name, argv, log_dir)
     try:
-        took = wait_grpc_serving(proc, f"127.0.0.1:{port}")
-        log.info("ready", system="vllm-grpc", seconds=round(took, 1))
-        yield f"127.0.0.1:{port}"
+        if ready.startswith("http"):
+            took = wait_http_ok(proc, ready)
+        else:
+            took = wait_grpc_serving(proc, ready)
+        log.info("ready", system=name, seconds=round(took, 1))
+        yield
     finally:
         proc.stop()
+
+
+def _loopback(module: str, model: Path, port: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", module, "--model", str(model), "--port", str(port), *extra,
+    ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def pyworker(model: Path, log_dir: Path) -> Iterator[str]:
+    """Switchyard's vLLM worker; yields its address."""
+    port = free_port()
+    argv = _loopback("pyworker", model, port, *ENGINE_ARGS)
+    with _server("pyworker", argv, log_dir, f"127.0.0.1:{port}"):
+        yield f"127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def vllm_grpc_server(model: Path, log_dir: Path) -> Iterator[str]:
+    port = free_port()
+    argv = _loopback(
+        "vllm.entrypoints.grpc_server", model, port, "--host", "127.0.0.1", *ENGINE_ARGS
+    )
+    with _server("vllm-grpc", argv, log_dir, f"127.0.0.1:{port}"):
+        yield f"127.0.0.1:{port}"
 
 
 @contextlib.contextmanager
 def smg_gateway(worker: str, log_dir: Path) -> Iterator[str]:
     port = free_port()
-    smg = str(Path(sys.executable).parent / "smg")
-    proc = start(
-        "smg",
-        [
-            smg,
-            "launch",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            f"grpc://{worker}",
-            "--policy",
-            "round_robin",
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(free_port()),
-        ],
-        log_dir,
-    )
-    try:
-        wait_http_ok(proc, f"http://127.0.0.1:{port}/readiness")
+    argv = [
+        str(Path(sys.executable).parent / "smg"), "launch", "--host", "127.0.0.1",
+        "--port", str(port), "--worker-urls", f"grpc://{worker}", "--policy", "round_robin",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+    ]  # fmt: skip
+    with _server("smg", argv, log_dir, f"http://127.0.0.1:{port}/readiness"):
         yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
 
 
 @contextlib.contextmanager
 def vllm_openai_server(model: Path, log_dir: Path) -> Iterator[str]:
     port = free_port()
-    proc = start(
-        "vllm-openai",
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *ENGINE_ARGS,
-        ],
-        log_dir,
-    )
-    try:
-        took = wait_http_ok(proc, f"http://127.0.0.1:{port}/health")
-        log.info("ready", system="vllm-openai", seconds=round(took, 1))
+    module = "vllm.entrypoints.openai.api_server"
+    argv = _loopback(module, model, port, "--host", "127.0.0.1", *ENGINE_ARGS)
+    with _server("vllm-openai", argv, log_dir, f"http://127.0.0.1:{port}/health"):
         yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
 
 
 @contextlib.contextmanager
