@@ -102,6 +102,9 @@ def write(data: dict[str, Any], out_dir: Path) -> None:
             add(f"| {c} | {sw / w:.3f} | {d50:+.2f} | {d99:+.2f} | " + " | ".join(vs) + " |")
         add("")
 
+    if "switchyard" in tput and "worker" in tput:
+        _targets(add, data, tput, ttft50, ttft99, offline, conc)
+
     add("## Time to first token (ms, p50 / p99)\n")
     add("| concurrency | " + " | ".join(LABELS[s] for s in systems) + " |")
     add("|---|" + "---|" * len(systems))
@@ -162,6 +165,65 @@ def write(data: dict[str, Any], out_dir: Path) -> None:
     add("Raw numbers: `docs/benchmarks.json`.\n")
     (out_dir / "benchmarks.md").write_text("\n".join(lines))
     _plots(tput, ttft50, ttft99, offline, systems, conc, out_dir)
+
+
+def _targets(
+    add: Any,
+    data: dict[str, Any],
+    tput: dict[str, dict[int, float]],
+    ttft50: dict[str, dict[int, float]],
+    ttft99: dict[str, dict[int, float]],
+    offline: float,
+    conc: list[int],
+) -> None:
+    """DESIGN.md section 5, each with its measured value from this run."""
+    top, low = max(conc), min(conc)
+    sw = tput["switchyard"]
+    rows = [
+        (
+            "throughput through the control plane >= 0.97 of the direct worker (at "
+            f"{top} concurrent)",
+            sw[top] / tput["worker"][top],
+            0.97,
+        ),
+        (
+            f"throughput through the control plane >= 0.95 of offline (at {top}; a GPU target)",
+            sw[top] / offline,
+            0.95,
+        ),
+    ]
+    for peer in ("vllm-grpc", "smg"):
+        if peer in tput and top in tput[peer]:
+            rows.append((f"at least as fast as {peer} (at {top})", sw[top] / tput[peer][top], 1.0))
+    add("## Targets (DESIGN.md section 5) in this run\n")
+    add("| target | measured | met |")
+    add("|---|---|---|")
+    for name, value, goal in rows:
+        add(f"| {name} | {value:.2f} | {'yes' if value >= goal else 'no'} |")
+    d50 = ttft50["switchyard"][low] - ttft50["worker"][low]
+    d99 = ttft99["switchyard"][low] - ttft99["worker"][low]
+    add(
+        f"| control-plane TTFT overhead <= 1 ms p50 (at {low} concurrent) | {d50:+.2f} ms | "
+        f"{'yes' if d50 <= 1 else 'no'} |"
+    )
+    add(
+        f"| control-plane TTFT overhead <= 3 ms p99 (at {low} concurrent) | {d99:+.2f} ms | "
+        f"{'yes' if d99 <= 3 else 'no'} |"
+    )
+    mem = data.get("memory", {})
+    r1, r2 = mem.get("rss_after_round_1_mb"), mem.get("rss_after_round_2_mb")
+    if r1 and r2:
+        add(
+            f"| memory flat over a long run (RSS after round 1 -> round 2) | "
+            f"{r1:.0f} -> {r2:.0f} MB | {'yes' if r2 <= r1 * 1.05 else 'no'} |"
+        )
+    add("")
+    add(
+        "What is missed is the next work: the control plane is a Python process that "
+        "competes with the engine and the load generator for this machine's two cores, "
+        "and it handles each token twice (one message in from the worker, one out to the "
+        "client).\n"
+    )
 
 
 def _plots(
