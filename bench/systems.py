@@ -30,11 +30,15 @@ START_TIMEOUT_S = 300.0
 
 @dataclass
 class Proc:
+    """A process started by a benchmark or a test, with its output in a log file."""
+
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
+    address: str = ""
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
             try:
@@ -42,33 +46,41 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait()
+        return self.popen.returncode
 
-    def tail(self, n: int = 40) -> str:
+    def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
-def start(name: str, argv: list[str], log_dir: Path) -> Proc:
+def start(
+    name: str, argv: list[str], log_dir: Path, address: str = "", log_level: str = "warning"
+) -> Proc:
     log_path = log_dir / f"{name}.log"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", SWITCHYARD_LOG_LEVEL="warning")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", SWITCHYARD_LOG_LEVEL=log_level)
     with open(log_path, "wb") as out:
         popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-    log.info("started", system=name, pid=popen.pid)
-    return Proc(name, popen, log_path)
+    log.debug("started", system=name, pid=popen.pid)
+    return Proc(name, popen, log_path, address)
 
 
-def wait_grpc_serving(proc: Proc, address: str, service: str = "") -> float:
+def wait_grpc_serving(
+    proc: Proc, address: str, service: str = "", timeout: float = START_TIMEOUT_S
+) -> float:
+    """Seconds until `address` answers grpc.health SERVING for `service`."""
     started = time.monotonic()
     with grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() - started < START_TIMEOUT_S:
+        while time.monotonic() - started < timeout:
             if proc.popen.poll() is not None:
-                raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+                raise RuntimeError(
+                    f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}"
+                )
             with contextlib.suppress(grpc.RpcError):
                 r = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
                 if r.status == health_pb2.HealthCheckResponse.SERVING:
                     return time.monotonic() - started
             time.sleep(0.25)
-    raise TimeoutError(f"{proc.name} not SERVING:\n{proc.tail()}")
+    raise TimeoutError(f"{proc.name} not SERVING after {timeout} s:\n{proc.log_tail()}")
 
 
 def wait_http_ok(proc: Proc, url: str) -> float:
@@ -77,12 +89,12 @@ def wait_http_ok(proc: Proc, url: str) -> float:
     started = time.monotonic()
     while time.monotonic() - started < START_TIMEOUT_S:
         if proc.popen.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+            raise RuntimeError(f"{proc.name} exited:\n{proc.log_tail()}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url, timeout=2).status_code == 200:
                 return time.monotonic() - started
         time.sleep(0.25)
-    raise TimeoutError(f"{proc.name} not ready at {url}:\n{proc.tail()}")
+    raise TimeoutError(f"{proc.name} not ready at {url}:\n{proc.log_tail()}")
 
 
 def rss_mb(proc: Proc) -> float:
