@@ -63,15 +63,37 @@ class Target(Protocol):
     async def close(self) -> None: ...
 
 
-class SwitchyardTarget:
+class _GrpcTarget:
+    """A target behind one gRPC channel (made inside the running event loop)."""
+
+    def __init__(self, address: str, name: str) -> None:
+        self.name = name
+        self._channel = grpc.aio.insecure_channel(address)
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+
+class _HttpTarget:
+    def __init__(self, base_url: str, model: str, name: str) -> None:
+        import httpx
+
+        self.name = name
+        self._client = httpx.AsyncClient(base_url=base_url, timeout=None)
+        self._model = model
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+class SwitchyardTarget(_GrpcTarget):
     """switchyard.v1.Generation/Generate (the control plane)."""
 
     def __init__(self, address: str, model: str, name: str = "switchyard") -> None:
         from switchyard.v1 import generation_pb2, generation_pb2_grpc
 
-        self.name = name
+        super().__init__(address, name)
         self._pb = generation_pb2
-        self._channel = grpc.aio.insecure_channel(address)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._model = model
 
@@ -86,19 +108,15 @@ class SwitchyardTarget:
             if msg.HasField("chunk"):
                 yield len(msg.chunk.token_ids)
 
-    async def close(self) -> None:
-        await self._channel.close(grace=None)
 
-
-class WorkerTarget:
+class WorkerTarget(_GrpcTarget):
     """switchyard.worker.v1.Worker/Generate (a worker called directly)."""
 
     def __init__(self, address: str, name: str = "worker") -> None:
         from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
-        self.name = name
+        super().__init__(address, name)
         self._pb = worker_pb2
-        self._channel = grpc.aio.insecure_channel(address)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
     async def stream(self, prompt: list[int], max_tokens: int) -> AsyncIterator[int]:
@@ -109,19 +127,12 @@ class WorkerTarget:
             if msg.HasField("chunk"):
                 yield len(msg.chunk.token_ids)
 
-    async def close(self) -> None:
-        await self._channel.close(grace=None)
 
-
-class OpenAIHttpTarget:
+class OpenAIHttpTarget(_HttpTarget):
     """POST /v1/completions with stream=true (vLLM's OpenAI server, SMG's HTTP front)."""
 
     def __init__(self, base_url: str, model: str, name: str = "openai-http") -> None:
-        import httpx
-
-        self.name = name
-        self._client = httpx.AsyncClient(base_url=base_url, timeout=None)
-        self._model = model
+        super().__init__(base_url, model, name)
 
     async def stream(self, prompt: list[int], max_tokens: int) -> AsyncIterator[int]:
         body = {
@@ -143,19 +154,15 @@ class OpenAIHttpTarget:
                     if n:
                         yield n
 
-    async def close(self) -> None:
-        await self._client.aclose()
 
-
-class VllmGrpcTarget:
+class VllmGrpcTarget(_GrpcTarget):
     """vLLM's own gRPC server (vllm.grpc.engine.VllmEngine/Generate, smg-grpc-servicer)."""
 
     def __init__(self, address: str, name: str = "vllm-grpc") -> None:
         from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-        self.name = name
+        super().__init__(address, name)
         self._pb = vllm_engine_pb2
-        self._channel = grpc.aio.insecure_channel(address)
         self._stub = vllm_engine_pb2_grpc.VllmEngineStub(self._channel)
         self._seq = 0
 
@@ -173,19 +180,12 @@ class VllmGrpcTarget:
             if msg.WhichOneof("response") == "chunk":
                 yield len(msg.chunk.token_ids)
 
-    async def close(self) -> None:
-        await self._channel.close(grace=None)
 
-
-class SmgGenerateTarget:
+class SmgGenerateTarget(_HttpTarget):
     """The SMG gateway's /generate (its /v1/completions takes text prompts only)."""
 
     def __init__(self, base_url: str, model: str, name: str = "smg") -> None:
-        import httpx
-
-        self.name = name
-        self._client = httpx.AsyncClient(base_url=base_url, timeout=None)
-        self._model = model
+        super().__init__(base_url, model, name)
 
     async def stream(self, prompt: list[int], max_tokens: int) -> AsyncIterator[int]:
         body = {
@@ -202,9 +202,6 @@ class SmgGenerateTarget:
                 if done > seen:  # cumulative; the last event repeats the last delta
                     yield done - seen
                     seen = done
-
-    async def close(self) -> None:
-        await self._client.aclose()
 
 
 async def _sse_data(resp: Any) -> AsyncIterator[str]:

@@ -18,7 +18,7 @@ from control.errors import (
     LoadFailed,
     NotFound,
     SwitchyardError,
-    to_rpc_status,
+    abort_rpc,
 )
 from control.lifecycle import ModelLoader
 from control.models import ModelEntry, ModelRegistry
@@ -141,7 +141,5 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
 
 
 async def _abort(context: Context, err: SwitchyardError) -> NoReturn:
-    code, message, trailers = to_rpc_status(err)
-    log.info("admin request failed", code=code.name, error=message)
-    await context.abort(code, message, trailing_metadata=trailers)
-    raise AssertionError("unreachable")  # context.abort raises
+    log.info("admin request failed", error=str(err))
+    await abort_rpc(context, err)

@@ -8,6 +8,7 @@ request path; the servicer turns it into a status with rich details
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import duration_pb2
@@ -130,3 +131,10 @@ def to_rpc_status(
 def _rpc_code(code: grpc.StatusCode) -> int:
     value: int = code.value[0]
     return value if value in code_pb2.Code.values() else code_pb2.UNKNOWN
+
+
+async def abort_rpc(context: Any, err: SwitchyardError) -> NoReturn:
+    """End the RPC with `err`'s status from the table above, rich details included."""
+    code, message, trailers = to_rpc_status(err)
+    await context.abort(code, message, trailing_metadata=trailers)
+    raise AssertionError("unreachable")  # context.abort raises

@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 import structlog
 from switchyard.v1 import generation_pb2, generation_pb2_grpc
 
-from control.errors import SwitchyardError, to_rpc_status
+from control.errors import SwitchyardError, abort_rpc
 from control.generation import run_generation
 from control.models import ModelRegistry
 from control.params import parse_request
@@ -19,13 +19,9 @@ from control.params import parse_request
 log = structlog.get_logger(__name__)
 
 
-async def _abort(
-    context: grpc.aio.ServicerContext[object, object], err: SwitchyardError
-) -> NoReturn:
-    code, message, trailers = to_rpc_status(err)
-    log.debug("request rejected", code=code.name, error=message)
-    await context.abort(code, message, trailing_metadata=trailers)
-    raise AssertionError("unreachable")  # context.abort raises
+async def _abort(context: Any, err: SwitchyardError) -> NoReturn:
+    log.debug("request rejected", error=str(err))
+    await abort_rpc(context, err)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignore[misc]
