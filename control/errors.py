@@ -64,10 +64,6 @@ class WorkerFailed(SwitchyardError):
         super().__init__(f"worker {worker}: {message}")
 
 
-class DeadlineExceeded(SwitchyardError):
-    pass
-
-
 class AlreadyExists(SwitchyardError):
     pass
 
@@ -86,7 +82,6 @@ _CODES: dict[type[SwitchyardError], grpc.StatusCode] = {
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NoHealthyWorker: grpc.StatusCode.UNAVAILABLE,
     WorkerFailed: grpc.StatusCode.INTERNAL,
-    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     NotFound: grpc.StatusCode.NOT_FOUND,
     LoadFailed: grpc.StatusCode.FAILED_PRECONDITION,

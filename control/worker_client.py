@@ -239,12 +239,6 @@ class WorkerClient:
                 pass
             await asyncio.sleep(1.0)
 
-    async def abort(self, request_ids: list[str], timeout: float = 2.0) -> None:
-        try:
-            await self.stub.Abort(worker_pb2.AbortRequest(request_ids=request_ids), timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            log.warning("abort failed", worker=self.address, code=e.code().name)
-
     async def close(self) -> None:
         self.serving = False
         self.draining = True
