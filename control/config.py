@@ -14,6 +14,7 @@ models:
     limits: {max_concurrency: 256, max_queue: 1024}
     health: {canary_interval_s: 5, canary_timeout_s: 2, failure_threshold: 3}
     discovery: {dns: workers.example:7001, interval_s: 10}   # every address behind a name
+    worker_stream: true     # share one GenerateStream per worker (when it offers one)
 ```
 """
 
@@ -112,6 +113,7 @@ class ModelSpec:
     failure_threshold: int = 3
     dns: str | None = None  # host:port re-resolved for workers (a headless Service)
     dns_interval_s: float = 10.0
+    worker_stream: bool = True  # one GenerateStream per worker instead of a call per request
 
     @property
     def is_builtin(self) -> bool:
@@ -180,6 +182,7 @@ def parse_model(m: object, key: str) -> ModelSpec:
             "limits",
             "health",
             "discovery",
+            "worker_stream",
         },
         key,
     )
@@ -244,6 +247,9 @@ def parse_model(m: object, key: str) -> ModelSpec:
     dns = discovery.get("dns")
     if dns is not None and (not isinstance(dns, str) or not _is_address(dns)):
         raise ConfigError(f"{key}.discovery.dns", f"expected name:port, got {dns!r}")
+    worker_stream = m.get("worker_stream", True)
+    if not isinstance(worker_stream, bool):
+        raise ConfigError(f"{key}.worker_stream", f"expected true or false, got {worker_stream!r}")
     return ModelSpec(
         name=name,
         engine=engine,
@@ -262,6 +268,7 @@ def parse_model(m: object, key: str) -> ModelSpec:
         failure_threshold=_number(health, "failure_threshold", 3, f"{key}.health", integer=True),
         dns=dns,
         dns_interval_s=_number(discovery, "interval_s", 10.0, f"{key}.discovery"),
+        worker_stream=worker_stream,
     )
 
 

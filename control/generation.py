@@ -30,6 +30,7 @@ from control.params import GenerationParams
 from control.routing import RouteRequest
 from control.stops import StopMatcher
 from control.worker_client import WorkerClient
+from control.worker_stream import WorkerCallError
 
 log = structlog.get_logger(__name__)
 
@@ -236,10 +237,10 @@ class _Run:
         worker.in_flight += 1
         worker.in_flight_tokens += cost
         try:
-            call = worker.stub.Generate(wreq, timeout=timeout)
+            call = worker.generate(wreq, timeout)
             worker.calls.add(call)
             async for resp in call:
-                if resp.WhichOneof("response") == "final":
+                if resp.HasField("final"):
                     worker_final = resp.final
                     break
                 wchunk = resp.chunk
@@ -269,7 +270,7 @@ class _Run:
         except grpc.aio.UsageError:  # the worker's channel closed under us (unload)
             yield None
             return
-        except grpc.aio.AioRpcError as e:
+        except (grpc.aio.AioRpcError, WorkerCallError) as e:
             code = e.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self.final.finish_reason = FinishReason.FINISH_REASON_TIME_LIMIT
@@ -361,7 +362,7 @@ class _Run:
                 top.token = decode([top.token_id], False)
 
 
-def _worker_error(address: str, e: grpc.aio.AioRpcError) -> Exception:
+def _worker_error(address: str, e: grpc.aio.AioRpcError | WorkerCallError) -> Exception:
     code = e.code()
     details = e.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:

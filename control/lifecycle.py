@@ -43,6 +43,7 @@ def health_policy(spec: ModelSpec) -> HealthPolicy:
         canary_interval_s=spec.canary_interval_s,
         canary_timeout_s=spec.canary_timeout_s,
         failure_threshold=spec.failure_threshold,
+        worker_stream=spec.worker_stream,
     )
 
 

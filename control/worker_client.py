@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from control.circuit import CircuitBreaker
+from control.worker_stream import StreamSession
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +47,7 @@ class WorkerInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     kv_block_size: int
+    generate_stream: bool = False
 
     @property
     def label(self) -> str:
@@ -69,6 +71,7 @@ class HealthPolicy:
     canary_interval_s: float = 5.0
     canary_timeout_s: float = 2.0
     failure_threshold: int = 3
+    worker_stream: bool = True  # use GenerateStream when the worker offers it
 
 
 class WorkerClient:
@@ -92,6 +95,17 @@ class WorkerClient:
         self.calls: set[Any] = set()  # Generate calls in flight on this worker
         self.ejected: set[Any] = set()  # calls cancelled because the worker was ejected
         self._tasks: list[asyncio.Task[None]] = []
+        self._stream: StreamSession | None = None
+
+    def generate(self, request: worker_pb2.GenerateRequest, timeout: float | None) -> Any:
+        """Start one generation: on the worker's shared GenerateStream when it has one,
+        else as its own Generate call. Either way an async iterator of messages with
+        `chunk` or `final` set, with `cancel()` and `done()`."""
+        if self.health_policy.worker_stream and self.info and self.info.generate_stream:
+            if self._stream is None:
+                self._stream = StreamSession(self.stub, self.address)
+            return self._stream.open(request, timeout)
+        return self.stub.Generate(request, timeout=timeout)
 
     @property
     def healthy(self) -> bool:
@@ -137,6 +151,7 @@ class WorkerClient:
             vocab_size=r.vocab_size,
             eos_token_ids=tuple(r.eos_token_ids),
             kv_block_size=r.kv_block_size,
+            generate_stream=r.generate_stream,
         )
         return self.info
 
@@ -250,4 +265,6 @@ class WorkerClient:
             except asyncio.CancelledError:
                 pass
         self._tasks = []
+        if self._stream is not None:
+            await self._stream.close()
         await self.channel.close(grace=None)

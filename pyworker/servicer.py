@@ -13,8 +13,8 @@ import contextlib
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from typing import Any, Protocol
 
 import grpc
 import structlog
@@ -68,6 +68,23 @@ class WorkerServicer:
 
     async def Generate(self, request: Any, context: Context) -> None:
         arrived = time.monotonic()
+        try:
+            state, parsed = self.admit(request)
+        except WorkerError as exc:
+            await abort_with(context, exc)
+        remaining = context.time_remaining()
+        deadline: float | None = None
+        if remaining is not None and remaining <= _NO_DEADLINE_S:
+            deadline = deadline_after(remaining)
+        await self.serve(parsed, state, CallSink(context), arrived, deadline)
+
+    async def GenerateStream(self, request_iterator: Any, context: Context) -> None:
+        from pyworker.session import Session
+
+        await Session(self, context).run(request_iterator)
+
+    def admit(self, request: Any) -> tuple[InFlight, ParsedGenerate]:
+        """Validate a request and count it in flight; raises `WorkerError`."""
         request_id = request.request_id or uuid.uuid4().hex
         try:
             parsed = parse_generate(request, self._engine.info)
@@ -77,17 +94,24 @@ class WorkerServicer:
                 raise AlreadyExists(f"request_id {request_id!r} is already in flight")
         except WorkerError as exc:
             log.info("generate rejected", request_id=request_id, code=exc.code.name, error=str(exc))
-            await abort_with(context, exc)
-
+            raise
         state = InFlight(request_id, prompt_tokens=len(parsed.prompt_token_ids))
         self._inflight[request_id] = state
+        return state, parsed
+
+    async def serve(
+        self,
+        parsed: ParsedGenerate,
+        state: InFlight,
+        sink: Sink,
+        arrived: float,
+        deadline: float | None,
+    ) -> None:
+        """Run one admitted request to its end: a Final, or an error before the first
+        token, through `sink`. Cancellation aborts the engine request."""
+        request_id = state.request_id
         try:
-            remaining = context.time_remaining()
-            deadline: float | None = None
-            if remaining is not None and remaining <= _NO_DEADLINE_S:
-                budget = remaining - min(_DEADLINE_MARGIN_S, remaining / 10)
-                deadline = time.monotonic() + max(budget, 0.0)
-            await self._stream(parsed, state, context, arrived, deadline)
+            await self._stream(parsed, state, sink, arrived, deadline)
         except TimeoutError:
             if state.finished:  # the deadline fell just after the final went out
                 return
@@ -100,15 +124,11 @@ class WorkerServicer:
                     prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens
                 ),
             )
-            try:
-                await _write(context, worker_pb2.GenerateResponse(final=final))
-            except StreamClosed:
-                # Never a silent OK without a final.
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline expired")
+            await sink.time_limit(final)
         except WorkerError as exc:
             log.warning("generate failed", request_id=request_id, error=str(exc))
             await self._guard_abort(state)
-            await abort_with(context, exc)
+            await sink.error(exc)
         except StreamClosed:
             log.info("generate stream closed by the client", request_id=request_id)
         finally:
@@ -121,7 +141,7 @@ class WorkerServicer:
         self,
         parsed: ParsedGenerate,
         state: InFlight,
-        context: Context,
+        sink: Sink,
         arrived: float,
         deadline: float | None,
     ) -> None:
@@ -162,8 +182,7 @@ class WorkerServicer:
                                 chunk.logprobs.extend(
                                     _logprobs(token_ids, completion.logprobs, parsed.logprobs)
                                 )
-                            msg = worker_pb2.GenerateResponse(chunk=chunk)
-                            await _write_outside(budget, when, context, msg)
+                            await _outside(budget, when, sink.chunk(chunk))
                             completion_tokens += len(token_ids)
                             state.completion_tokens = completion_tokens
                             last_token = token_ids[-1]
@@ -177,15 +196,14 @@ class WorkerServicer:
                         final.queue_ms = _queue_ms(getattr(out, "metrics", None))
                         if first_token_at is not None:
                             final.time_to_first_token_ms = (first_token_at - arrived) * 1000.0
-                        msg = worker_pb2.GenerateResponse(final=final)
-                        await _write_outside(budget, when, context, msg)
+                        await _outside(budget, when, sink.final(final))
         except (asyncio.CancelledError, TimeoutError, WorkerError, StreamClosed):
             raise
         except Exception as exc:
             if state.finished:  # the Final is out; nothing left to tell the client
                 log.warning("engine error after the final", request_id=state.request_id)
                 return
-            await self._engine_error(exc, state, context, completion_tokens, parsed)
+            await self._engine_error(exc, state, sink, completion_tokens, parsed)
             return
         finally:
             with contextlib.suppress(Exception):
@@ -194,7 +212,7 @@ class WorkerServicer:
             await self._engine_error(
                 RuntimeError("the engine ended the stream without finishing the request"),
                 state,
-                context,
+                sink,
                 completion_tokens,
                 parsed,
             )
@@ -203,7 +221,7 @@ class WorkerServicer:
         self,
         exc: BaseException,
         state: InFlight,
-        context: Context,
+        sink: Sink,
         completion_tokens: int,
         parsed: ParsedGenerate,
     ) -> None:
@@ -223,7 +241,7 @@ class WorkerServicer:
             ),
         )
         state.finished = True
-        await _write(context, worker_pb2.GenerateResponse(final=final))
+        await sink.final(final)
 
     def _final(
         self, parsed: ParsedGenerate, state: InFlight, completion: Any, last_token: int | None
@@ -285,6 +303,7 @@ class WorkerServicer:
             vocab_size=info.vocab_size,
             eos_token_ids=list(info.eos_token_ids),
             kv_block_size=info.kv_block_size,
+            generate_stream=True,
         )
 
     async def StreamLoad(self, request: Any, context: Context) -> None:
@@ -324,14 +343,55 @@ class StreamClosed(Exception):
     """Writing to the RPC failed: the client is gone, nobody reads the rest."""
 
 
-async def _write_outside(
-    budget: asyncio.Timeout, when: float | None, context: Context, message: Any
-) -> None:
-    """Write with the deadline paused: it covers waiting on the engine, and a write cut
+class Sink(Protocol):
+    """Where one request's messages go: its own Generate call, or a GenerateStream."""
+
+    async def chunk(self, chunk: Any) -> None: ...
+
+    async def final(self, final: Any) -> None: ...
+
+    async def time_limit(self, final: Any) -> None:
+        """The TIME_LIMIT final, after the deadline aborted the request."""
+
+    async def error(self, exc: WorkerError) -> None:
+        """The request failed before its first token."""
+
+
+class CallSink:
+    """Generate: each message is one write on the request's own call."""
+
+    def __init__(self, context: Context) -> None:
+        self._context = context
+
+    async def chunk(self, chunk: Any) -> None:
+        await _write(self._context, worker_pb2.GenerateResponse(chunk=chunk))
+
+    async def final(self, final: Any) -> None:
+        await _write(self._context, worker_pb2.GenerateResponse(final=final))
+
+    async def time_limit(self, final: Any) -> None:
+        try:
+            await self.final(final)
+        except StreamClosed:
+            # Never a silent OK without a final.
+            await self._context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline expired")
+
+    async def error(self, exc: WorkerError) -> None:
+        await abort_with(self._context, exc)
+
+
+def deadline_after(remaining_s: float) -> float:
+    """The monotonic time to give up, keeping back a margin for the TIME_LIMIT final."""
+    budget = remaining_s - min(_DEADLINE_MARGIN_S, remaining_s / 10)
+    return time.monotonic() + max(budget, 0.0)
+
+
+async def _outside(budget: asyncio.Timeout, when: float | None, send: Awaitable[None]) -> None:
+    """Send with the deadline paused: it covers waiting on the engine, and a write cut
     off half-way would leave the stream unusable for the TIME_LIMIT final."""
     budget.reschedule(None)
     try:
-        await _write(context, message)
+        await send
     finally:
         budget.reschedule(when)
 
