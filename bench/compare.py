@@ -44,6 +44,10 @@ from control.tinymodel import ensure_tiny_model
 
 log = structlog.get_logger(__name__)
 
+PER_CALL = "switchyard (a worker call per request)"
+ROUTERS = 2  # router processes for the second control-plane ceiling
+CONNECTIONS = 8  # client connections for the ceiling runs, spread over the routers
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -142,15 +146,17 @@ def run(setting_name: str, out_dir: Path) -> dict[str, object]:
     results: list[Summary] = []
 
     with systems.pyworker(model, logs) as worker:
-        with systems.control_plane(systems.remote_model("tiny", model, worker), logs) as (
-            ctl,
-            _,
+        per_call = systems.remote_model("tiny", model, worker, worker_stream=False)
+        with (
+            systems.control_plane(systems.remote_model("tiny", model, worker), logs) as (ctl, _),
+            systems.control_plane(per_call, logs, "control-per-call") as (ctl_calls, _),
         ):
             results += asyncio.run(
                 sweep(
                     [
                         lambda: WorkerTarget(worker, "worker"),
                         lambda: SwitchyardTarget(ctl, "tiny", "switchyard"),
+                        lambda: SwitchyardTarget(ctl_calls, "tiny", PER_CALL),
                     ],
                     setting,
                 )
@@ -177,14 +183,23 @@ def run(setting_name: str, out_dir: Path) -> dict[str, object]:
             f"    workers: [{', '.join(sims)}]\n"
             "    limits: {max_concurrency: 100000, max_queue: 100000}\n"
         )
-        with systems.control_plane(model_yaml, logs, "control-sim") as (ctl, proc):
-            memory["rss_start_mb"] = systems.rss_mb(proc)
-            sim_setting = Setting(setting.sim_concurrency, setting.prompt_len, (256, 256), 1, ())
-            for rnd in range(2):  # the second round shows whether memory keeps growing
-                sim_results = asyncio.run(
-                    sweep([lambda: SwitchyardTarget(ctl, "sim", "switchyard+sim")], sim_setting)
-                )
-                memory[f"rss_after_round_{rnd + 1}_mb"] = systems.rss_mb(proc)
+        sim_setting = Setting(setting.sim_concurrency, setting.prompt_len, (256, 256), 1, ())
+        for routers in (1, ROUTERS):
+            name = f"control-sim-{routers}"
+            with systems.control_plane(model_yaml, logs, name, routers) as (ctl, proc):
+                label = f"switchyard+sim x{routers}"
+
+                def target(ctl: str = ctl, label: str = label) -> Target:
+                    return SwitchyardTarget(ctl, "sim", label, connections=CONNECTIONS)
+
+                if routers > 1:
+                    sim_results += asyncio.run(sweep([target], sim_setting))
+                    continue
+                memory["rss_start_mb"] = systems.rss_mb(proc)
+                for rnd in range(2):  # the second round shows whether memory keeps growing
+                    one = asyncio.run(sweep([target], sim_setting))
+                    memory[f"rss_after_round_{rnd + 1}_mb"] = systems.rss_mb(proc)
+                sim_results += one
 
     data: dict[str, object] = {
         "setting": setting_name,

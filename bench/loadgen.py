@@ -87,15 +87,31 @@ class _HttpTarget:
 
 
 class SwitchyardTarget(_GrpcTarget):
-    """switchyard.v1.Generation/Generate (the control plane)."""
+    """switchyard.v1.Generation/Generate (the control plane). With `connections` > 1,
+    streams take turns over that many TCP connections, so that several router processes
+    on one port (SO_REUSEPORT) all get traffic."""
 
-    def __init__(self, address: str, model: str, name: str = "switchyard") -> None:
+    def __init__(
+        self, address: str, model: str, name: str = "switchyard", connections: int = 1
+    ) -> None:
         from switchyard.v1 import generation_pb2, generation_pb2_grpc
 
         super().__init__(address, name)
         self._pb = generation_pb2
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._extra = [
+            grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(connections - 1)
+        ]
+        self._stubs = [
+            generation_pb2_grpc.GenerationStub(ch) for ch in [self._channel, *self._extra]
+        ]
+        self._turn = 0
         self._model = model
+
+    async def close(self) -> None:
+        for ch in self._extra:
+            await ch.close(grace=None)
+        await super().close()
 
     async def stream(self, prompt: list[int], max_tokens: int) -> AsyncIterator[int]:
         pb = self._pb
@@ -104,7 +120,8 @@ class SwitchyardTarget(_GrpcTarget):
             token_ids=pb.TokenIds(ids=prompt),
             stopping=pb.StoppingParams(max_tokens=max_tokens, ignore_eos=True),
         )
-        async for msg in self._stub.Generate(req):
+        self._turn = (self._turn + 1) % len(self._stubs)
+        async for msg in self._stubs[self._turn].Generate(req):
             if msg.HasField("chunk"):
                 yield len(msg.chunk.token_ids)
 

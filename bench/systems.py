@@ -106,13 +106,15 @@ def rss_mb(proc: Proc) -> float:
 
 @contextlib.contextmanager
 def control_plane(
-    model_yaml: str, log_dir: Path, name: str = "control"
+    model_yaml: str, log_dir: Path, name: str = "control", routers: int = 1
 ) -> Iterator[tuple[str, Proc]]:
-    """Switchyard's control plane with the given models (YAML list items)."""
+    """Switchyard's control plane with the given models (YAML list items), in `routers`
+    processes on one port."""
     port = free_port()
     config = log_dir / f"{name}.yaml"
     config.write_text(f"listen: 127.0.0.1:{port}\nmodels:\n{model_yaml}")
-    proc = start(name, [sys.executable, "-m", "control", "serve", "--config", str(config)], log_dir)
+    argv = [sys.executable, "-m", "control", "serve", "--config", str(config)]
+    proc = start(name, [*argv, "--routers", str(routers)], log_dir)
     try:
         wait_grpc_serving(proc, f"127.0.0.1:{port}", "")
         yield f"127.0.0.1:{port}", proc
@@ -120,10 +122,13 @@ def control_plane(
         proc.stop()
 
 
-def remote_model(name: str, model: Path, worker: str, limits: int = 4096) -> str:
+def remote_model(
+    name: str, model: Path, worker: str, limits: int = 4096, worker_stream: bool = True
+) -> str:
     return (
         f"  - name: {name}\n    engine: vllm\n    model: {model}\n    workers: [{worker}]\n"
         f"    limits: {{max_concurrency: {limits}, max_queue: {limits}}}\n"
+        f"    worker_stream: {str(worker_stream).lower()}\n"
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import grpc
@@ -73,9 +74,15 @@ def spec_to_dict(spec: admin_pb2.ModelSpec) -> dict[str, Any]:
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
-    def __init__(self, registry: ModelRegistry, loader: ModelLoader) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        loader: ModelLoader,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
         self._registry = registry
         self._loader = loader
+        self._on_change = on_change or (lambda: None)  # the set of models changed
 
     async def LoadModel(
         self, request: admin_pb2.LoadModelRequest, context: Context
@@ -94,6 +101,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
                 raise LoadFailed(f"model {spec.name!r} failed to load: {e}") from e
         except SwitchyardError as e:
             await _abort(context, e)
+        self._on_change()
         return admin_pb2.LoadModelResponse(
             name=entry.name,
             workers=[worker_status(entry, w) for w in entry.workers],
@@ -108,6 +116,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
             result = await self._loader.unload(request.name, grace)
         except KeyError:
             await _abort(context, NotFound(f"model {request.name!r} is not loaded"))
+        self._on_change()
         return admin_pb2.UnloadModelResponse(
             drained_requests=result.in_flight_at_start,
             cancelled_requests=result.left_after_grace,

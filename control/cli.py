@@ -27,6 +27,15 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the control plane and its workers")
     s.add_argument("--config", type=Path, help="YAML config; default: the embedded tiny model")
     s.add_argument("--listen", help=f"host:port to listen on (default {DEFAULT_LISTEN})")
+    s.add_argument(
+        "--routers",
+        type=_positive,
+        default=1,
+        help="control-plane processes serving the port (SO_REUSEPORT); default 1",
+    )
+    # Internal: how the supervisor starts its extra router processes.
+    s.add_argument("--router-of", help=argparse.SUPPRESS)
+    s.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
 
     g = sub.add_parser("generate", help="stream a generation to the terminal")
     g.add_argument("prompt")
@@ -65,7 +74,16 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if args.listen:
         config = type(config)(listen=args.listen, models=config.models)
-    return asyncio.run(serve(config))
+    return asyncio.run(
+        serve(config, routers=args.routers, router_of=args.router_of, ready_file=args.ready_file)
+    )
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
 
 
 def _generate(args: argparse.Namespace) -> int:

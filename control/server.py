@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -18,9 +21,10 @@ from grpc_reflection.v1alpha import reflection
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 from control.admin import AdminServicer
-from control.config import ServeConfig
+from control.config import ModelSpec, ServeConfig
 from control.lifecycle import ModelLoader, StartupError
 from control.models import ModelRegistry
+from control.routers import AdminForwarder, RouterPool
 from control.servicer import GenerationServicer
 
 log = structlog.get_logger(__name__)
@@ -32,16 +36,33 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class ControlPlane:
-    def __init__(self, config: ServeConfig) -> None:
+    """One control-plane process: the supervisor (and first router), or, with
+    `router_of`, one of the extra router processes it starts (see control/routers.py)."""
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        *,
+        routers: int = 1,
+        router_of: str | None = None,
+        ready_file: Path | None = None,
+    ) -> None:
         self.config = config
+        self.routers = routers
+        self.router_of = router_of
+        self.ready_file = ready_file
         self.registry = ModelRegistry()
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        shared_port = routers > 1 or router_of is not None
         self.server = grpc.aio.server(
             options=[
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", 1 if shared_port else 0),
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ]
         )
+        self.pool: RouterPool | None = None
+        self.forwarder: AdminForwarder | None = None
+        self._background: set[asyncio.Task[None]] = set()
         self.loader = ModelLoader(self.registry, config.listen.rpartition(":")[0])
         self._model_status: dict[str, int] = {}
         self._health_task: asyncio.Task[None] | None = None
@@ -51,9 +72,14 @@ class ControlPlane:
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.registry), self.server
         )
-        admin_pb2_grpc.add_AdminServicer_to_server(
-            AdminServicer(self.registry, self.loader), self.server
-        )
+        if self.router_of is not None:
+            self.forwarder = AdminForwarder(self.router_of)
+            admin_pb2_grpc.add_AdminServicer_to_server(self.forwarder, self.server)
+        else:
+            on_change = self._models_changed if self.routers > 1 else None
+            admin_pb2_grpc.add_AdminServicer_to_server(
+                AdminServicer(self.registry, self.loader, on_change), self.server
+            )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
@@ -66,12 +92,43 @@ class ControlPlane:
         self.port = self.server.add_insecure_port(self.config.listen)
         if self.port == 0:
             raise StartupError(f"cannot listen on {self.config.listen}")
+        private = ""
+        if self.routers > 1:  # where the routers reach this process's Admin service
+            private = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         await self.server.start()
         log.info("listening", address=self.config.listen, health="NOT_SERVING until ready")
         await asyncio.gather(*(self.loader.load(spec) for spec in self.config.models))
+        if self.routers > 1:  # SERVING once every process serves
+            listen = f"{self.config.listen.rpartition(':')[0]}:{self.port}"
+            self.pool = RouterPool(self.routers, listen, private)
+            await self.pool.start(self._models())
         await self._update_health()
         self._health_task = asyncio.create_task(self._health_loop(), name="model health")
-        log.info("serving", address=self.config.listen, models=[m.name for m in self.config.models])
+        if self.forwarder is not None:
+            self._spawn(self.forwarder.follow(self.registry), "follow supervisor")
+        log.info(
+            "serving",
+            address=self.config.listen,
+            models=[m.name for m in self.config.models],
+            role="router" if self.router_of else "supervisor",
+            processes=self.routers,
+        )
+        if self.ready_file is not None:
+            self.ready_file.touch()
+
+    def _models(self) -> list[tuple[ModelSpec, list[str]]]:
+        return [(e.spec, [w.address for w in e.workers]) for e in self.registry.all()]
+
+    def _models_changed(self) -> None:
+        """The Admin API loaded or unloaded a model: the routers start over with the new
+        set (in the background; the Admin call has its answer already)."""
+        if self.pool is not None:
+            self._spawn(self.pool.replace(self._models()), "replace routers")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _update_health(self) -> None:
         """Per model: SERVING while it has a healthy worker. Overall (and the Generation
@@ -103,14 +160,26 @@ class ControlPlane:
         log.info("shutting down", grace_s=grace)
         if self._health_task is not None:
             self._health_task.cancel()
+        for task in self._background:
+            task.cancel()
+        if self.pool is not None:
+            await self.pool.stop()
+        if self.forwarder is not None:
+            await self.forwarder.close()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.loader.stop_all()
         log.info("stopped")
 
 
-async def serve(config: ServeConfig) -> int:
-    plane = ControlPlane(config)
+async def serve(
+    config: ServeConfig,
+    *,
+    routers: int = 1,
+    router_of: str | None = None,
+    ready_file: Path | None = None,
+) -> int:
+    plane = ControlPlane(config, routers=routers, router_of=router_of, ready_file=ready_file)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -125,7 +194,7 @@ async def serve(config: ServeConfig) -> int:
             await stopper
         else:
             start.cancel()
-    except (StartupError, OSError) as e:
+    except (StartupError, OSError, RuntimeError) as e:
         log.error("startup failed", error=str(e))
         code = 1
     finally:

@@ -7,6 +7,7 @@
 
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
+#include "stream_reactor.h"
 #include "translate.h"
 
 namespace switchyard::rt {
@@ -280,6 +281,11 @@ grpc::ServerWriteReactor<wv1::GenerateResponse>* WorkerService::Generate(
   return raw;
 }
 
+grpc::ServerBidiReactor<wv1::StreamRequest, wv1::StreamResponse>* WorkerService::GenerateStream(
+    grpc::CallbackServerContext*) {
+  return start_generate_stream(executor_, dispatcher_, info_, live_streams_, draining_);
+}
+
 grpc::ServerUnaryReactor* WorkerService::Abort(grpc::CallbackServerContext* context,
                                                const wv1::AbortRequest* request,
                                                wv1::AbortResponse* response) {
@@ -309,6 +315,7 @@ grpc::ServerUnaryReactor* WorkerService::GetInfo(grpc::CallbackServerContext* co
   response->set_vocab_size(static_cast<std::uint32_t>(info_.vocab_size));
   for (auto id : info_.eos_token_ids) response->add_eos_token_ids(static_cast<std::uint32_t>(id));
   response->set_kv_block_size(static_cast<std::uint32_t>(info_.tokens_per_block));
+  response->set_generate_stream(true);
   auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

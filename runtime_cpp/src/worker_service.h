@@ -34,6 +34,8 @@ class WorkerService final : public ::switchyard::worker::v1::Worker::CallbackSer
 
   grpc::ServerWriteReactor<wv1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context, const wv1::GenerateRequest* request) override;
+  grpc::ServerBidiReactor<wv1::StreamRequest, wv1::StreamResponse>* GenerateStream(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
                                   const wv1::AbortRequest* request,
                                   wv1::AbortResponse* response) override;
@@ -47,7 +49,8 @@ class WorkerService final : public ::switchyard::worker::v1::Worker::CallbackSer
   void fill_load(wv1::LoadReport* report);
   // From now on, new Generate calls are refused with UNAVAILABLE.
   void start_drain() { draining_.store(true); }
-  // Generate streams not yet done (their last message may still be on its way).
+  // Generate streams not yet done (their last message may still be on its way), plus
+  // requests in flight on GenerateStream sessions.
   int live_streams() const { return live_streams_.load(); }
   void remove_load_stream(LoadStream* stream);
 

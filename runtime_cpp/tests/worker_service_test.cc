@@ -2,6 +2,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <map>
 #include <thread>
 
 #include "dispatcher.h"
@@ -242,6 +243,57 @@ TEST_F(WorkerServiceTest, GetInfoAndStreamLoad) {
   load->Finish();
   gctx.TryCancel();
   gen_reader->Finish();
+}
+
+// GenerateStream: several requests on one stream, their events batched into shared
+// messages; a draining worker refuses new starts with an error event, not a dead stream.
+TEST_F(WorkerServiceTest, GenerateStreamBatchesRequestsAndRefusesWhileDraining) {
+  start(config(500));
+  grpc::ClientContext ctx;
+  auto stream = stub_->GenerateStream(&ctx);
+  wv1::StreamRequest starts;
+  for (int i = 0; i < 8; ++i) *starts.add_start() = gen(30, "s" + std::to_string(i));
+  *starts.add_start() = gen(0, "bad");
+  ASSERT_TRUE(stream->Write(starts));
+  std::map<std::string, std::vector<std::uint32_t>> tokens;
+  std::map<std::string, wv1::StreamEvent> ends;
+  int messages = 0;
+  wv1::StreamResponse msg;
+  while (ends.size() < 9 && stream->Read(&msg)) {
+    ++messages;
+    for (const auto& e : msg.events()) {
+      EXPECT_EQ(ends.count(e.request_id()), 0u) << "an event after the end";
+      if (e.has_chunk()) {
+        for (auto t : e.chunk().token_ids()) tokens[e.request_id()].push_back(t);
+      } else {
+        ends[e.request_id()] = e;
+      }
+    }
+  }
+  ASSERT_EQ(ends.size(), 9u);
+  EXPECT_EQ(ends["bad"].error().code(), static_cast<std::uint32_t>(grpc::INVALID_ARGUMENT));
+  EXPECT_NE(ends["bad"].error().message().find("max_tokens"), std::string::npos);
+  const auto h = SimExecutor::hash_tokens({11, 12, 13});
+  for (int i = 0; i < 8; ++i) {
+    const auto name = "s" + std::to_string(i);
+    ASSERT_TRUE(ends[name].has_final());
+    EXPECT_EQ(ends[name].final().usage().completion_tokens(), 30u);
+    ASSERT_EQ(tokens[name].size(), 30u);
+    EXPECT_EQ(tokens[name][29], static_cast<std::uint32_t>(SimExecutor::token_at(h, 0, 29, 1000)));
+  }
+  EXPECT_LT(messages, 8 * 30 / 2);  // one message carries many requests' tokens
+  EXPECT_EQ(running(), 0);
+
+  service_->start_drain();
+  wv1::StreamRequest late;
+  *late.add_start() = gen(5, "late");
+  ASSERT_TRUE(stream->Write(late));
+  ASSERT_TRUE(stream->Read(&msg));
+  ASSERT_EQ(msg.events_size(), 1);
+  EXPECT_EQ(msg.events(0).error().code(), static_cast<std::uint32_t>(grpc::UNAVAILABLE));
+  stream->WritesDone();
+  EXPECT_FALSE(stream->Read(&msg));
+  EXPECT_TRUE(stream->Finish().ok());
 }
 
 }  // namespace

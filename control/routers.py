@@ -1,0 +1,161 @@
+"""Router processes: `switchyard serve --routers N`.
+
+One control-plane process may not keep up with the per-token work of many engines, so
+the supervisor process (engine loading, health, Admin) starts N-1 more router processes
+that listen on the same port (SO_REUSEPORT; the kernel spreads connections across them).
+A router keeps no state but its own view of the workers: it joins the supervisor's
+workers by address, watches their health and load itself, forwards Admin calls to the
+supervisor, and follows worker drains from the supervisor's `ListWorkers`. When the set
+of models changes (LoadModel, UnloadModel), the supervisor replaces its routers: new
+ones start before the old ones drain and stop.
+
+Admission limits (`limits`) apply per process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+import yaml
+from switchyard.v1 import admin_pb2, admin_pb2_grpc
+
+from control.config import ModelSpec
+from control.models import ModelRegistry
+from control.supervisor import LocalWorker
+
+log = structlog.get_logger(__name__)
+
+ROUTER_READY_TIMEOUT_S = 120.0
+FOLLOW_INTERVAL_S = 1.0
+
+
+def router_config(listen: str, models: Sequence[tuple[ModelSpec, Sequence[str]]]) -> dict[str, Any]:
+    """A router's config: the supervisor's models, joined by their workers' addresses."""
+    out = []
+    for spec, addresses in models:
+        m: dict[str, Any] = {
+            "name": spec.name,
+            "engine": spec.engine,
+            "model": spec.model,
+            "workers": list(addresses),
+            "routing": spec.routing,
+            "limits": {"max_concurrency": spec.max_concurrency, "max_queue": spec.max_queue},
+            "health": {
+                "canary_interval_s": spec.canary_interval_s,
+                "canary_timeout_s": spec.canary_timeout_s,
+                "failure_threshold": spec.failure_threshold,
+            },
+            "worker_stream": spec.worker_stream,
+        }
+        if spec.tokenizer:
+            m["tokenizer"] = spec.tokenizer
+        out.append(m)
+    return {"listen": listen, "models": out}
+
+
+class RouterPool:
+    """The supervisor's extra router processes."""
+
+    def __init__(self, count: int, listen: str, supervisor: str) -> None:
+        self.count = count
+        self.listen = listen
+        self.supervisor = supervisor  # the supervisor's private address, for Admin
+        self._dir = Path(tempfile.mkdtemp(prefix="switchyard-routers-"))
+        self._routers: list[LocalWorker] = []
+        self._generation = 0
+        self._lock = asyncio.Lock()
+
+    async def start(self, models: Sequence[tuple[ModelSpec, Sequence[str]]]) -> None:
+        async with self._lock:
+            self._routers = await self._spawn(models)
+
+    async def replace(self, models: Sequence[tuple[ModelSpec, Sequence[str]]]) -> None:
+        """New routers for a new set of models; the old ones drain, then stop."""
+        async with self._lock:
+            old = self._routers
+            self._routers = await self._spawn(models)
+            await asyncio.gather(*(r.stop() for r in old), return_exceptions=True)
+
+    async def stop(self) -> None:
+        async with self._lock:
+            await asyncio.gather(*(r.stop() for r in self._routers), return_exceptions=True)
+            self._routers = []
+
+    async def _spawn(self, models: Sequence[tuple[ModelSpec, Sequence[str]]]) -> list[LocalWorker]:
+        self._generation += 1
+        config = self._dir / f"routers-{self._generation}.yaml"
+        config.write_text(yaml.safe_dump(router_config(self.listen, models), sort_keys=False))
+        routers = []
+        ready_files = []
+        for i in range(1, self.count):
+            ready = self._dir / f"ready-{self._generation}-{i}"
+            cmd = [
+                sys.executable, "-m", "control", "serve", "--config", str(config),
+                "--router-of", self.supervisor, "--ready-file", str(ready),
+            ]  # fmt: skip
+            router = LocalWorker(f"router-{i}", cmd, self.listen)
+            await router.start()
+            routers.append(router)
+            ready_files.append(ready)
+        started = time.monotonic()
+        while not all(f.exists() for f in ready_files):
+            if time.monotonic() - started > ROUTER_READY_TIMEOUT_S:
+                await asyncio.gather(*(r.stop() for r in routers), return_exceptions=True)
+                raise RuntimeError(f"router processes not ready after {ROUTER_READY_TIMEOUT_S} s")
+            await asyncio.sleep(0.1)
+        log.info("routers serving", processes=self.count, listen=self.listen)
+        return routers
+
+
+class AdminForwarder(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
+    """A router's Admin service: every call goes to the supervisor, which owns the
+    workers, and its answer (or error, with details) comes back unchanged."""
+
+    def __init__(self, supervisor: str) -> None:
+        self._channel = grpc.aio.insecure_channel(supervisor)
+        self._stub = admin_pb2_grpc.AdminStub(self._channel)
+
+    async def _forward(self, method: Callable[..., Any], request: Any, context: Any) -> Any:
+        try:
+            return await method(request, timeout=context.time_remaining())
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details() or "", e.trailing_metadata() or None)
+
+    async def LoadModel(self, request: Any, context: Any) -> Any:
+        return await self._forward(self._stub.LoadModel, request, context)
+
+    async def UnloadModel(self, request: Any, context: Any) -> Any:
+        return await self._forward(self._stub.UnloadModel, request, context)
+
+    async def ListWorkers(self, request: Any, context: Any) -> Any:
+        return await self._forward(self._stub.ListWorkers, request, context)
+
+    async def DrainWorker(self, request: Any, context: Any) -> Any:
+        return await self._forward(self._stub.DrainWorker, request, context)
+
+    async def follow(self, registry: ModelRegistry) -> None:
+        """Mirror the supervisor's worker drains into this router's view."""
+        while True:
+            await asyncio.sleep(FOLLOW_INTERVAL_S)
+            try:
+                listed = await self._stub.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=5)
+            except grpc.aio.AioRpcError as e:
+                log.warning("supervisor unreachable", code=e.code().name)
+                continue
+            draining = {(w.model, w.address) for w in listed.workers if w.draining}
+            for entry in registry.all():
+                for worker in entry.workers:
+                    worker.draining = (entry.name, worker.address) in draining
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._channel.close(None)

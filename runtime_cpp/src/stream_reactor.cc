@@ -1,0 +1,298 @@
+#include "stream_reactor.h"
+
+#include <chrono>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "translate.h"
+
+namespace switchyard::rt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr double kDeadlineMarginMs = 20.0;  // as for Generate: TIME_LIMIT arrives in time
+
+class StreamSession;
+
+// What the dispatcher holds for one request: a weak link to its session.
+class SessionSink final : public StreamSink {
+ public:
+  SessionSink(std::weak_ptr<StreamSession> session, std::string name)
+      : session_(std::move(session)), name_(std::move(name)) {}
+  void on_response(GenResponse&& response) override;
+
+ private:
+  std::weak_ptr<StreamSession> session_;
+  const std::string name_;
+};
+
+class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, wv1::StreamResponse>,
+                            public std::enable_shared_from_this<StreamSession> {
+ public:
+  StreamSession(Executor& executor, Dispatcher& dispatcher, const EngineInfo& info,
+                std::atomic<int>& live, const std::atomic<bool>& draining)
+      : executor_(executor), dispatcher_(dispatcher), info_(info), live_(live),
+        draining_(draining) {}
+
+  void begin() {
+    self_ = shared_from_this();
+    StartRead(&in_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the caller closed its side (or the call is over)
+      std::unique_lock<std::mutex> lock(mu_);
+      reads_done_ = true;
+      if (!write_in_flight_) write_next_locked(lock);
+      return;
+    }
+    for (const auto& request : in_.start()) start_request(request);
+    for (const auto& name : in_.cancel()) cancel_request(name);
+    {
+      std::unique_lock<std::mutex> lock(mu_);  // send the error events, if any
+      if (!write_in_flight_) write_next_locked(lock);
+    }
+    StartRead(&in_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    write_in_flight_ = false;
+    if (!ok) cancelled_ = true;
+    write_next_locked(lock);
+  }
+
+  void OnCancel() override {
+    std::vector<RequestId> ids;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
+      ids = take_all_locked();
+    }
+    abandon(ids);  // no lock held
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!write_in_flight_) write_next_locked(lock);
+  }
+
+  void OnDone() override {
+    std::vector<RequestId> ids;
+    std::shared_ptr<StreamSession> keep;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ids = take_all_locked();
+      keep.swap(self_);  // sinks hold weak links only
+    }
+    abandon(ids);
+  }
+
+  // Dispatcher thread.
+  void on_response(const std::string& name, GenResponse&& r) {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto it = requests_.find(name);
+    if (it == requests_.end() || it->second.id != r.id) return;  // cancelled meanwhile
+    Request& req = it->second;
+    if (!r.tokens.empty()) {
+      if (req.first_token_ms < 0) {
+        req.first_token_ms = std::chrono::duration<double, std::milli>(Clock::now() - req.started)
+                                 .count();
+      }
+      req.last_token = r.tokens.back();
+      req.completion_tokens += static_cast<std::int32_t>(r.tokens.size());
+      auto open = open_chunks_.find(name);
+      wv1::Chunk* chunk;
+      if (open != open_chunks_.end()) {
+        chunk = pending_.mutable_events(open->second)->mutable_chunk();
+      } else {
+        open_chunks_.emplace(name, pending_.events_size());
+        auto* event = pending_.add_events();
+        event->set_request_id(name);
+        chunk = event->mutable_chunk();
+      }
+      append_chunk(r, chunk);
+    }
+    if (r.is_final) {
+      auto* event = pending_.add_events();
+      event->set_request_id(name);
+      auto* final = event->mutable_final();
+      fill_final(r, req.completion_tokens, req.last_token, info_.eos_token_ids, final);
+      final->set_time_to_first_token_ms(req.first_token_ms < 0 ? 0 : req.first_token_ms);
+      open_chunks_.erase(name);
+      requests_.erase(it);
+      live_.fetch_sub(1);
+    }
+    if (!write_in_flight_) write_next_locked(lock);
+  }
+
+ private:
+  struct Request {
+    RequestId id = 0;
+    Clock::time_point started;
+    std::int32_t completion_tokens = 0;
+    std::optional<TokenId> last_token;
+    double first_token_ms = -1;
+  };
+
+  void start_request(const wv1::GenerateRequest& request) {
+    const std::string& name = request.request_id();
+    if (name.empty()) {
+      return error(name, grpc::StatusCode::INVALID_ARGUMENT,
+                   "request_id: required on GenerateStream");
+    }
+    if (draining_.load()) {
+      return error(name, grpc::StatusCode::UNAVAILABLE, "the worker is draining");
+    }
+    double deadline_ms = -1;
+    if (request.timeout_ms() > 0) {
+      const double t = request.timeout_ms();
+      deadline_ms = std::max(0.0, t - std::min(kDeadlineMarginMs, t / 10));
+    }
+    GenRequest gen;
+    FieldError bad;
+    if (!to_gen_request(request, info_, deadline_ms, &gen, &bad)) {
+      return error(name, grpc::StatusCode::INVALID_ARGUMENT, bad.field + ": " + bad.message);
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (requests_.count(name)) {
+        return error_locked(name, grpc::StatusCode::ALREADY_EXISTS,
+                            "request_id " + name + " is already on this stream");
+      }
+    }
+    RequestId id = 0;
+    try {
+      id = executor_.enqueue(gen);  // no lock held
+    } catch (const InvalidRequest& e) {
+      return error(name, grpc::StatusCode::INVALID_ARGUMENT, e.what());
+    } catch (const std::exception& e) {
+      return error(name, grpc::StatusCode::UNAVAILABLE, std::string("engine: ") + e.what());
+    }
+    {
+      // Known before the dispatcher can deliver: its responses wait (parked) until add().
+      std::lock_guard<std::mutex> lock(mu_);
+      Request& req = requests_[name];
+      req.id = id;
+      req.started = Clock::now();
+      live_.fetch_add(1);
+    }
+    if (!dispatcher_.add(id, name, std::make_shared<SessionSink>(weak_from_this(), name))) {
+      cancel_quietly(id);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (requests_.erase(name)) live_.fetch_sub(1);
+      error_locked(name, grpc::StatusCode::ALREADY_EXISTS,
+                   "request_id " + name + " is already in flight");
+    }
+  }
+
+  void cancel_request(const std::string& name) {
+    RequestId id = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = requests_.find(name);
+      if (it == requests_.end()) return;
+      id = it->second.id;
+      requests_.erase(it);
+      open_chunks_.erase(name);  // what is pending still goes out; nothing after it
+      live_.fetch_sub(1);
+    }
+    abandon({id});
+  }
+
+  std::vector<RequestId> take_all_locked() {
+    std::vector<RequestId> ids;
+    for (const auto& [name, req] : requests_) ids.push_back(req.id);
+    live_.fetch_sub(static_cast<int>(requests_.size()));
+    requests_.clear();
+    open_chunks_.clear();
+    return ids;
+  }
+
+  void abandon(const std::vector<RequestId>& ids) {
+    for (auto id : ids) {
+      cancel_quietly(id);
+      dispatcher_.remove(id);
+    }
+  }
+
+  void cancel_quietly(RequestId id) {
+    try {
+      executor_.cancel(id);
+    } catch (const std::exception&) {
+      // The engine is going away; its requests go with it.
+    }
+  }
+
+  void error(const std::string& name, grpc::StatusCode code, const std::string& message) {
+    std::lock_guard<std::mutex> lock(mu_);
+    error_locked(name, code, message);
+  }
+
+  void error_locked(const std::string& name, grpc::StatusCode code, const std::string& message) {
+    auto* event = pending_.add_events();
+    event->set_request_id(name);
+    event->mutable_error()->set_code(static_cast<std::uint32_t>(code));
+    event->mutable_error()->set_message(message);
+  }
+
+  // Chooses the next action with `mu_` held, then releases it before calling gRPC.
+  void write_next_locked(std::unique_lock<std::mutex>& lock) {
+    if (finished_) return;
+    if (cancelled_) {
+      finished_ = true;
+      lock.unlock();
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+      return;
+    }
+    if (pending_.events_size() > 0) {
+      out_.Swap(&pending_);
+      pending_.Clear();
+      open_chunks_.clear();
+      write_in_flight_ = true;
+      lock.unlock();
+      StartWrite(&out_);
+      return;
+    }
+    if (reads_done_ && requests_.empty()) {
+      finished_ = true;
+      lock.unlock();
+      Finish(grpc::Status::OK);
+    }
+  }
+
+  Executor& executor_;
+  Dispatcher& dispatcher_;
+  const EngineInfo& info_;
+  std::atomic<int>& live_;
+  const std::atomic<bool>& draining_;
+  std::shared_ptr<StreamSession> self_;  // held until OnDone
+  wv1::StreamRequest in_;                // touched by the read side only
+
+  std::mutex mu_;
+  std::unordered_map<std::string, Request> requests_;
+  std::unordered_map<std::string, int> open_chunks_;  // name -> its event in pending_
+  wv1::StreamResponse pending_;
+  wv1::StreamResponse out_;  // the message being written
+  bool write_in_flight_ = false;
+  bool reads_done_ = false;
+  bool cancelled_ = false;
+  bool finished_ = false;
+};
+
+void SessionSink::on_response(GenResponse&& response) {
+  if (auto session = session_.lock()) session->on_response(name_, std::move(response));
+}
+
+}  // namespace
+
+grpc::ServerBidiReactor<wv1::StreamRequest, wv1::StreamResponse>* start_generate_stream(
+    Executor& executor, Dispatcher& dispatcher, const EngineInfo& info,
+    std::atomic<int>& live, const std::atomic<bool>& draining) {
+  auto session = std::make_shared<StreamSession>(executor, dispatcher, info, live, draining);
+  session->begin();
+  return session.get();
+}
+
+}  // namespace switchyard::rt

@@ -1,0 +1,27 @@
+// GenerateStream: many requests over one bidirectional stream.
+//
+// Starts and cancels arrive on the read side. The dispatcher thread hands each engine
+// response to the session, which folds it into the pending StreamResponse (a request's
+// consecutive chunks merge into one event). Exactly one write is in flight; everything
+// that arrives meanwhile goes out in the next message, so one message carries the news of
+// every request that has some. Cancelling the call cancels every request on it.
+#pragma once
+
+#include <atomic>
+#include <memory>
+
+#include "dispatcher.h"
+#include "executor.h"
+#include "switchyard/worker/v1/worker.grpc.pb.h"
+
+namespace switchyard::rt {
+
+namespace wv1 = ::switchyard::worker::v1;
+
+// Creates the reactor for one GenerateStream call. `live` counts the requests in flight
+// on all sessions (a drain waits for them); `draining` refuses new starts.
+grpc::ServerBidiReactor<wv1::StreamRequest, wv1::StreamResponse>* start_generate_stream(
+    Executor& executor, Dispatcher& dispatcher, const EngineInfo& info,
+    std::atomic<int>& live, const std::atomic<bool>& draining);
+
+}  // namespace switchyard::rt
