@@ -35,6 +35,12 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # A bounded receive window: when the control plane falls behind, the worker's writes
+    # wait and it merges the tokens that pile up into fewer, larger messages, instead of
+    # the transport buffering megabytes of one-token messages that every request on the
+    # shared GenerateStream (new ones too) must wait behind.
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 16 * 1024),
 ]
 
 

@@ -68,7 +68,13 @@ class StreamCall:
                 await self._waiter
             finally:
                 self._waiter = None
-        event = self._events.popleft()
+        events = self._events
+        event = events.popleft()
+        if events and event.HasField("chunk"):
+            # Behind the worker: the chunks that are ready go out as one message.
+            chunk = event.chunk
+            while events and events[0].HasField("chunk"):
+                chunk.MergeFrom(events.popleft().chunk)
         if event.HasField("error"):
             raise WorkerCallError(
                 _STATUS_BY_NUMBER.get(event.error.code, grpc.StatusCode.UNKNOWN),

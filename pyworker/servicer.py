@@ -182,7 +182,10 @@ class WorkerServicer:
                                 chunk.logprobs.extend(
                                     _logprobs(token_ids, completion.logprobs, parsed.logprobs)
                                 )
-                            await _outside(budget, when, sink.chunk(chunk))
+                            if sink.blocking:
+                                await _outside(budget, when, sink.chunk(chunk))
+                            else:
+                                await sink.chunk(chunk)
                             completion_tokens += len(token_ids)
                             state.completion_tokens = completion_tokens
                             last_token = token_ids[-1]
@@ -346,6 +349,9 @@ class StreamClosed(Exception):
 class Sink(Protocol):
     """Where one request's messages go: its own Generate call, or a GenerateStream."""
 
+    # Whether sending waits on the network (then the deadline pauses around it).
+    blocking: bool
+
     async def chunk(self, chunk: Any) -> None: ...
 
     async def final(self, final: Any) -> None: ...
@@ -359,6 +365,8 @@ class Sink(Protocol):
 
 class CallSink:
     """Generate: each message is one write on the request's own call."""
+
+    blocking = True
 
     def __init__(self, context: Context) -> None:
         self._context = context

@@ -127,7 +127,9 @@ class Session:
 
 
 class _EventSink:
-    """One request's messages, as events of its session."""
+    """One request's messages, as events of its session (queued, never waiting)."""
+
+    blocking = False
 
     def __init__(self, session: Session, request_id: str) -> None:
         self._session = session
