@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -36,6 +38,7 @@ from bench.loadgen import (
     WorkerTarget,
     Workload,
     closed_loop,
+    one_request,
     summarize,
 )
 from bench.offline import RESULT_PREFIX
@@ -58,6 +61,7 @@ class Setting:
     sim_concurrency: tuple[int, ...]
     per_client: int = 4  # requests per concurrent client at each level
     minimum: int = 16
+    ttft_requests: int = 200  # single requests per system for the TTFT-overhead probe
 
     def requests(self, concurrency: int) -> int:
         return max(self.minimum, self.per_client * concurrency)
@@ -81,13 +85,35 @@ class Setting:
 
 SETTINGS = {
     "quick": Setting((1, 4, 16, 64), (128, 128), (128, 128), 2, (16, 64, 256)),
-    "full": Setting((1, 4, 16, 64, 256), (128, 128), (256, 256), 5, (16, 64, 256, 1024)),
+    "full": Setting(
+        (1, 4, 16, 64, 256), (128, 128), (256, 256), 5, (16, 64, 256, 1024), ttft_requests=500
+    ),
 }
 
 
-async def measure(target: Target, setting: Setting, c: int, repeat: int) -> Summary:
+Roles = dict[str, list[int]]  # a process role -> its pids, for CPU accounting
+CONTROL, FRONT, ENGINE = "control plane or gateway", "engine front", "engine"
+
+
+def _cpu(roles: Roles) -> dict[str, float]:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    out = {"load generator": own.ru_utime + own.ru_stime}
+    for role, pids in roles.items():
+        out[role] = systems.cpu_seconds(pids)
+    return out
+
+
+async def measure(
+    target: Target, setting: Setting, c: int, repeat: int, roles: Roles | None = None
+) -> Summary:
+    before = _cpu(roles or {})
     records = await closed_loop(target, setting.workload(c, seed=repeat), c)
+    after = _cpu(roles or {})
     s = summarize(target.name, "closed", c, records)
+    tokens = sum(r.tokens for r in records if r.error is None)
+    if tokens:
+        cpu = {k: (after[k] - before[k]) / tokens * 1e6 for k in after}
+        s = dataclasses.replace(s, cpu_us_per_token=cpu)
     log.info(
         "measured",
         system=target.name,
@@ -100,18 +126,53 @@ async def measure(target: Target, setting: Setting, c: int, repeat: int) -> Summ
     return s
 
 
-async def sweep(factories: list[Callable[[], Target]], setting: Setting) -> list[Summary]:
+async def sweep(
+    factories: list[Callable[[], Target]],
+    setting: Setting,
+    roles: dict[str, Roles] | None = None,
+) -> list[Summary]:
     """Each concurrency, each repeat: the targets in turn (alternating, same engine).
-    Targets are made here, inside the event loop their channels belong to."""
+    Targets are made here, inside the event loop their channels belong to. `roles`
+    (by target name) says which processes' CPU time to count."""
     targets = [make() for make in factories]
     out: list[Summary] = []
     for c in setting.concurrency:
         for r in range(setting.repeats):
             order = targets if r % 2 == 0 else list(reversed(targets))
             for t in order:
-                out.append(await measure(t, setting, c, r))
+                out.append(await measure(t, setting, c, r, (roles or {}).get(t.name)))
     for t in targets:
         await t.close()
+    return out
+
+
+async def ttft_probe(
+    factories: list[Callable[[], Target]], requests: int, prompt_len: int, seed: int = 7
+) -> dict[str, dict[str, float]]:
+    """Time to first token, one request at a time, the targets alternating request by
+    request (so both see the same moments of a noisy machine): p50 and p99 over many
+    samples, for the TTFT-overhead target."""
+    targets = [make() for make in factories]
+    work = Workload(
+        requests=requests, prompt_len=(prompt_len, prompt_len), output_len=(2, 2), seed=seed
+    )
+    samples: dict[str, list[float]] = {t.name: [] for t in targets}
+    for i, (prompt, n) in enumerate(work.items()):
+        for t in targets if i % 2 == 0 else list(reversed(targets)):
+            rec = await one_request(t, prompt, n)
+            if rec.error is None and rec.ttft is not None:
+                samples[t.name].append(rec.ttft * 1000)
+    for t in targets:
+        await t.close()
+    out = {}
+    for name, values in samples.items():
+        values.sort()
+        out[name] = {
+            "p50": values[len(values) // 2],
+            "p99": values[min(len(values) - 1, round(0.99 * (len(values) - 1)))],
+            "samples": float(len(values)),
+        }
+    log.info("ttft probe", **{k: round(v["p50"], 2) for k, v in out.items()})
     return out
 
 
@@ -146,32 +207,61 @@ def run(setting_name: str, out_dir: Path) -> dict[str, object]:
     results: list[Summary] = []
 
     with systems.pyworker(model, logs) as worker:
-        per_call = systems.remote_model("tiny", model, worker, worker_stream=False)
+        engine: Roles = {FRONT: [worker.pid], ENGINE: systems.descendants(worker.pid)}
+        per_call = systems.remote_model("tiny", model, worker.address, worker_stream=False)
+        streamed = systems.remote_model("tiny", model, worker.address)
         with (
-            systems.control_plane(systems.remote_model("tiny", model, worker), logs) as (ctl, _),
-            systems.control_plane(per_call, logs, "control-per-call") as (ctl_calls, _),
+            systems.control_plane(streamed, logs) as (ctl, ctl_proc),
+            systems.control_plane(per_call, logs, "control-per-call") as (ctl_calls, calls_proc),
         ):
+            roles = {
+                "worker": engine,
+                "switchyard": {CONTROL: [ctl_proc.popen.pid], **engine},
+                PER_CALL: {CONTROL: [calls_proc.popen.pid], **engine},
+            }
             results += asyncio.run(
                 sweep(
                     [
-                        lambda: WorkerTarget(worker, "worker"),
+                        lambda: WorkerTarget(worker.address, "worker"),
                         lambda: SwitchyardTarget(ctl, "tiny", "switchyard"),
                         lambda: SwitchyardTarget(ctl_calls, "tiny", PER_CALL),
                     ],
                     setting,
+                    roles,
+                )
+            )
+            probe = asyncio.run(
+                ttft_probe(
+                    [
+                        lambda: WorkerTarget(worker.address, "worker"),
+                        lambda: SwitchyardTarget(ctl, "tiny", "switchyard"),
+                    ],
+                    setting.ttft_requests,
+                    setting.prompt_len[0],
                 )
             )
     with systems.vllm_grpc_server(model, logs) as vgrpc:
-        with systems.smg_gateway(vgrpc, logs) as smg:
+        engine = {FRONT: [vgrpc.pid], ENGINE: systems.descendants(vgrpc.pid)}
+        with systems.smg_gateway(vgrpc.address, logs) as smg:
+            gateway = [smg.pid, *systems.descendants(smg.pid)]
             results += asyncio.run(
                 sweep(
-                    [lambda: VllmGrpcTarget(vgrpc), lambda: SmgGenerateTarget(smg, str(model))],
+                    [
+                        lambda: VllmGrpcTarget(vgrpc.address),
+                        lambda: SmgGenerateTarget(smg.address, str(model)),
+                    ],
                     setting,
+                    {"vllm-grpc": engine, "smg": {CONTROL: gateway, **engine}},
                 )
             )
     with systems.vllm_openai_server(model, logs) as http:
+        engine = {FRONT: [http.pid], ENGINE: systems.descendants(http.pid)}
         results += asyncio.run(
-            sweep([lambda: OpenAIHttpTarget(http, str(model), "vllm-openai")], setting)
+            sweep(
+                [lambda: OpenAIHttpTarget(http.address, str(model), "vllm-openai")],
+                setting,
+                {"vllm-openai": engine},
+            )
         )
     ceiling = offline(model, setting)
 
@@ -209,6 +299,7 @@ def run(setting_name: str, out_dir: Path) -> dict[str, object]:
         "versions": versions(),
         "results": [s.to_json() for s in results],
         "offline": ceiling,
+        "ttft_probe": probe,
         "control_plane_ceiling": [s.to_json() for s in sim_results],
         "memory": memory,
         "minutes": (time.monotonic() - started) / 60,

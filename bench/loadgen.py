@@ -234,7 +234,7 @@ async def _sse_data(resp: Any) -> AsyncIterator[str]:
                 yield line[6:].decode()
 
 
-async def _one(target: Target, prompt: list[int], max_tokens: int) -> Record:
+async def one_request(target: Target, prompt: list[int], max_tokens: int) -> Record:
     rec = Record(start=time.perf_counter())
     try:
         async for n in target.stream(prompt, max_tokens):
@@ -265,7 +265,7 @@ async def closed_loop(target: Target, workload: Workload, concurrency: int) -> l
                 prompt, n = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            records.append(await _one(target, prompt, n))
+            records.append(await one_request(target, prompt, n))
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return records
@@ -275,7 +275,7 @@ async def open_loop(target: Target, workload: Workload, rate: float) -> list[Rec
     rng = random.Random(workload.seed + 1)
     tasks = []
     for prompt, n in workload.items():
-        tasks.append(asyncio.create_task(_one(target, prompt, n)))
+        tasks.append(asyncio.create_task(one_request(target, prompt, n)))
         await asyncio.sleep(rng.expovariate(rate))
     return list(await asyncio.gather(*tasks))
 
@@ -303,6 +303,8 @@ class Summary:
     e2e_ms: dict[str, float]
     tokens_per_message: float
     first_error: str | None
+    # CPU time per output token (µs) by process role, when the benchmark measured it.
+    cpu_us_per_token: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

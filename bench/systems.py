@@ -97,6 +97,41 @@ def wait_http_ok(proc: Proc, url: str) -> float:
     raise TimeoutError(f"{proc.name} not ready at {url}:\n{proc.log_tail()}")
 
 
+@dataclass(frozen=True)
+class Running:
+    """A started server: where it listens, and its process (for CPU accounting)."""
+
+    address: str
+    pid: int
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (vLLM's engine core and model runner, for example)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User plus system CPU time of the processes (all their threads) so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 def rss_mb(proc: Proc) -> float:
     for line in Path(f"/proc/{proc.popen.pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -133,7 +168,7 @@ def remote_model(
 
 
 @contextlib.contextmanager
-def _server(name: str, argv: list[str], log_dir: Path, ready: str) -> Iterator[None]:
+def _server(name: str, argv: list[str], log_dir: Path, ready: str) -> Iterator[Proc]:
     """Start a server, wait until `ready` answers (a gRPC address, or an HTTP URL that
     must return 200), and stop it on the way out."""
     proc = start(name, argv, log_dir)
@@ -143,7 +178,7 @@ def _server(name: str, argv: list[str], log_dir: Path, ready: str) -> Iterator[N
         else:
             took = wait_grpc_serving(proc, ready)
         log.info("ready", system=name, seconds=round(took, 1))
-        yield
+        yield proc
     finally:
         proc.stop()
 
@@ -155,43 +190,43 @@ def _loopback(module: str, model: Path, port: int, *extra: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def pyworker(model: Path, log_dir: Path) -> Iterator[str]:
-    """Switchyard's vLLM worker; yields its address."""
+def pyworker(model: Path, log_dir: Path) -> Iterator[Running]:
+    """Switchyard's vLLM worker."""
     port = free_port()
     argv = _loopback("pyworker", model, port, *ENGINE_ARGS)
-    with _server("pyworker", argv, log_dir, f"127.0.0.1:{port}"):
-        yield f"127.0.0.1:{port}"
+    with _server("pyworker", argv, log_dir, f"127.0.0.1:{port}") as proc:
+        yield Running(f"127.0.0.1:{port}", proc.popen.pid)
 
 
 @contextlib.contextmanager
-def vllm_grpc_server(model: Path, log_dir: Path) -> Iterator[str]:
+def vllm_grpc_server(model: Path, log_dir: Path) -> Iterator[Running]:
     port = free_port()
     argv = _loopback(
         "vllm.entrypoints.grpc_server", model, port, "--host", "127.0.0.1", *ENGINE_ARGS
     )
-    with _server("vllm-grpc", argv, log_dir, f"127.0.0.1:{port}"):
-        yield f"127.0.0.1:{port}"
+    with _server("vllm-grpc", argv, log_dir, f"127.0.0.1:{port}") as proc:
+        yield Running(f"127.0.0.1:{port}", proc.popen.pid)
 
 
 @contextlib.contextmanager
-def smg_gateway(worker: str, log_dir: Path) -> Iterator[str]:
+def smg_gateway(worker: str, log_dir: Path) -> Iterator[Running]:
     port = free_port()
     argv = [
         str(Path(sys.executable).parent / "smg"), "launch", "--host", "127.0.0.1",
         "--port", str(port), "--worker-urls", f"grpc://{worker}", "--policy", "round_robin",
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
     ]  # fmt: skip
-    with _server("smg", argv, log_dir, f"http://127.0.0.1:{port}/readiness"):
-        yield f"http://127.0.0.1:{port}"
+    with _server("smg", argv, log_dir, f"http://127.0.0.1:{port}/readiness") as proc:
+        yield Running(f"http://127.0.0.1:{port}", proc.popen.pid)
 
 
 @contextlib.contextmanager
-def vllm_openai_server(model: Path, log_dir: Path) -> Iterator[str]:
+def vllm_openai_server(model: Path, log_dir: Path) -> Iterator[Running]:
     port = free_port()
     module = "vllm.entrypoints.openai.api_server"
     argv = _loopback(module, model, port, "--host", "127.0.0.1", *ENGINE_ARGS)
-    with _server("vllm-openai", argv, log_dir, f"http://127.0.0.1:{port}/health"):
-        yield f"http://127.0.0.1:{port}"
+    with _server("vllm-openai", argv, log_dir, f"http://127.0.0.1:{port}/health") as proc:
+        yield Running(f"http://127.0.0.1:{port}", proc.popen.pid)
 
 
 @contextlib.contextmanager

@@ -119,6 +119,34 @@ def test_admin_reaches_the_supervisor_and_drains_reach_every_router(routed: Proc
             ch.close()
 
 
+def test_a_model_loaded_at_run_time_is_served_by_every_process(routed: Proc) -> None:
+    with grpc.insecure_channel(routed.address) as ch:
+        admin = admin_pb2_grpc.AdminStub(ch)
+        spec = admin_pb2.ModelSpec(name="sim-late", engine="sim", model="builtin:tiny")
+        admin.LoadModel(admin_pb2.LoadModelRequest(spec=spec), timeout=60)
+    # The supervisor replaces its routers with ones that know the new model.
+    req = request()
+    req.model = "sim-late"
+    deadline = time.monotonic() + 60
+    while True:
+        chans = channels(routed.address)
+        try:
+            answers = []
+            for channel in chans:
+                try:
+                    stub = generation_pb2_grpc.GenerationStub(channel)
+                    answers.append(len(stub.Complete(req, timeout=30).token_ids))
+                except grpc.RpcError as e:
+                    answers.append(e.code())
+        finally:
+            for channel in chans:
+                channel.close()
+        if answers == [8] * CONNECTIONS:
+            break
+        assert time.monotonic() < deadline, answers
+        time.sleep(0.5)
+
+
 def test_stopping_the_supervisor_stops_its_routers(tmp_path: Path) -> None:
     port = free_port()
     config = tmp_path / "one.yaml"
