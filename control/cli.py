@@ -8,19 +8,14 @@ switchyard models                         # list served models
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
 import sys
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
 
 import grpc
 
 from control.config import DEFAULT_LISTEN, ConfigError, default_config, load_config
+from control.eventloop import run_event_loop
 from control.logs import configure_logging
-
-T = TypeVar("T")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -145,21 +140,6 @@ def _models(args: argparse.Namespace) -> int:
             f"{m.healthy_workers}/{m.workers} workers healthy"
         )
     return 0
-
-
-def run_event_loop(coro: Coroutine[Any, Any, T]) -> T:
-    """Run `coro` on uvloop when it is installed (as vLLM's own servers do: its callbacks
-    and futures cost less per message), else on asyncio's loop.
-    SWITCHYARD_EVENT_LOOP=asyncio forces the latter."""
-    if os.environ.get("SWITCHYARD_EVENT_LOOP", "uvloop") != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                return runner.run(coro)
-    return asyncio.run(coro)
 
 
 if __name__ == "__main__":

@@ -8,18 +8,15 @@ child, which re-imports this module, so nothing may run outside `main()`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import logging
-import os
 import sys
 import time
-from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
 
 import structlog
 
-T = TypeVar("T")
+from control.eventloop import run_event_loop
 
 log = structlog.get_logger(__name__)
 
@@ -133,21 +130,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     prepare_environment()
     return run_event_loop(run(args))
-
-
-def run_event_loop(coro: Coroutine[Any, Any, T]) -> T:
-    """Run `coro` on uvloop when it is installed (as vLLM's own servers do: its callbacks
-    and futures cost less per message), else on asyncio's loop.
-    SWITCHYARD_EVENT_LOOP=asyncio forces the latter."""
-    if os.environ.get("SWITCHYARD_EVENT_LOOP", "uvloop") != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                return runner.run(coro)
-    return asyncio.run(coro)
 
 
 if __name__ == "__main__":
