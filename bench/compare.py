@@ -39,6 +39,7 @@ from bench.loadgen import (
     Workload,
     closed_loop,
     one_request,
+    open_loop,
     summarize,
 )
 from bench.offline import RESULT_PREFIX
@@ -50,6 +51,7 @@ log = structlog.get_logger(__name__)
 PER_CALL = "switchyard (a worker call per request)"
 ROUTERS = 2  # router processes for the second control-plane ceiling
 CONNECTIONS = 8  # client connections for the ceiling runs, spread over the routers
+OPEN_LOOP_REQUESTS = 200  # per open-loop run
 
 
 @dataclass(frozen=True)
@@ -61,14 +63,16 @@ class Setting:
     sim_concurrency: tuple[int, ...]
     per_client: int = 4  # requests per concurrent client at each level
     minimum: int = 16
+    maximum: int = 512
     ttft_requests: int = 200  # single requests per system for the TTFT-overhead probe
 
     def requests(self, concurrency: int) -> int:
-        return max(self.minimum, self.per_client * concurrency)
+        return min(self.maximum, max(self.minimum, self.per_client * concurrency))
 
     def describe(self) -> str:
         return (
-            f"{self.per_client}x concurrency requests (at least {self.minimum}) of "
+            f"{self.per_client}x concurrency requests (at least {self.minimum}, at most "
+            f"{self.maximum}) of "
             f"{self.prompt_len[0]}-{self.prompt_len[1]} prompt and "
             f"{self.output_len[0]}-{self.output_len[1]} output tokens, "
             f"{self.repeats} alternating run(s) per level (median shown)"
@@ -146,6 +150,25 @@ async def sweep(
     return out
 
 
+async def open_sweep(
+    factories: list[Callable[[], Target]], setting: Setting, rate: float
+) -> list[Summary]:
+    """Poisson arrivals at `rate` requests/s, the targets alternating run by run."""
+    targets = [make() for make in factories]
+    top = max(setting.concurrency)
+    out = []
+    for r in range(setting.repeats):
+        for t in targets if r % 2 == 0 else list(reversed(targets)):
+            work = setting.workload(top, seed=100 + r)
+            work = dataclasses.replace(work, requests=min(work.requests, OPEN_LOOP_REQUESTS))
+            records = await open_loop(t, work, rate)
+            out.append(summarize(t.name, "open", rate, records))
+            log.info("measured", system=t.name, rate=rate, tok_s=round(out[-1].output_tokens_per_s))
+    for t in targets:
+        await t.close()
+    return out
+
+
 async def ttft_probe(
     factories: list[Callable[[], Target]], requests: int, prompt_len: int, seed: int = 7
 ) -> dict[str, dict[str, float]]:
@@ -174,6 +197,11 @@ async def ttft_probe(
         }
     log.info("ttft probe", **{k: round(v["p50"], 2) for k, v in out.items()})
     return out
+
+
+def _median_rps(results: list[Summary], system: str, load: int) -> float:
+    values = sorted(r.requests_per_s for r in results if r.system == system and r.load == load)
+    return values[len(values) // 2]
 
 
 def offline(model: Path, setting: Setting) -> dict[str, float]:
@@ -228,6 +256,19 @@ def run(setting_name: str, out_dir: Path) -> dict[str, object]:
                     ],
                     setting,
                     roles,
+                )
+            )
+            # Open loop at half the rate the worker sustained at the top concurrency.
+            top = max(setting.concurrency)
+            rate = round(0.5 * _median_rps(results, "worker", top), 1)
+            opened = asyncio.run(
+                open_sweep(
+                    [
+                        lambda: WorkerTarget(worker.address, "worker"),
+                        lambda: SwitchyardTarget(ctl, "tiny", "switchyard"),
+                    ],
+                    setting,
+                    rate,
                 )
             )
             probe = asyncio.run(
@@ -300,6 +341,7 @@ def run(setting_name: str, out_dir: Path) -> dict[str, object]:
         "results": [s.to_json() for s in results],
         "offline": ceiling,
         "ttft_probe": probe,
+        "open_loop": [o.to_json() for o in opened],
         "control_plane_ceiling": [s.to_json() for s in sim_results],
         "memory": memory,
         "minutes": (time.monotonic() - started) / 60,

@@ -343,3 +343,84 @@ def summarize(system: str, mode: str, load: float, records: list[Record]) -> Sum
         else 0.0,
         first_error=errors[0] if errors else None,
     )
+
+
+TARGETS = ("switchyard", "worker", "vllm-grpc", "smg", "openai")
+
+
+def make_target(kind: str, address: str, model: str, connections: int = 1) -> Target:
+    """A target by name: `address` is host:port for gRPC, a base URL for HTTP."""
+    if kind == "switchyard":
+        return SwitchyardTarget(address, model, connections=connections)
+    if kind == "worker":
+        return WorkerTarget(address)
+    if kind == "vllm-grpc":
+        return VllmGrpcTarget(address)
+    if kind == "smg":
+        return SmgGenerateTarget(address, model)
+    if kind == "openai":
+        return OpenAIHttpTarget(address, model)
+    raise ValueError(f"unknown target {kind!r}; expected one of {', '.join(TARGETS)}")
+
+
+def _range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
+
+
+async def _main(args: Any) -> list[Summary]:
+    target = make_target(args.target, args.address, args.model, args.connections)
+    workload = Workload(
+        requests=args.requests,
+        prompt_len=_range(args.prompt_len),
+        output_len=_range(args.output_len),
+        seed=args.seed,
+    )
+    out = []
+    try:
+        if args.rate:
+            for rate in args.rate:
+                records = await open_loop(target, workload, rate)
+                out.append(summarize(args.target, "open", rate, records))
+        for c in args.concurrency or ([] if args.rate else [1]):
+            records = await closed_loop(target, workload, c)
+            out.append(summarize(args.target, "closed", c, records))
+    finally:
+        await target.close()
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """python -m bench.loadgen --target switchyard --address 127.0.0.1:50051 --model tiny
+    --concurrency 1,4,16 [--rate 5,10] [--json out.json]"""
+    import argparse
+
+    p = argparse.ArgumentParser(description="Streaming load against one system; one line a run")
+    p.add_argument("--target", choices=TARGETS, required=True)
+    p.add_argument("--address", required=True, help="host:port (gRPC) or http://host:port")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--rate", type=lambda s: [float(x) for x in s.split(",")], help="req/s")
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--prompt-len", default="128", help="N or LOW-HIGH")
+    p.add_argument("--output-len", default="128", help="N or LOW-HIGH")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--connections", type=int, default=1)
+    p.add_argument("--json", help="write the summaries here")
+    args = p.parse_args(argv)
+    summaries = asyncio.run(_main(args))
+    for s in summaries:
+        print(
+            f"{s.mode} {s.load:g}: {s.output_tokens_per_s:,.0f} tok/s, "
+            f"{s.requests_per_s:.1f} req/s, TTFT p50/p90/p99 "
+            f"{s.ttft_ms['p50']:.1f}/{s.ttft_ms['p90']:.1f}/{s.ttft_ms['p99']:.1f} ms, "
+            f"ITL p50/p99 {s.itl_ms['p50']:.1f}/{s.itl_ms['p99']:.1f} ms, "
+            f"E2E p50 {s.e2e_ms['p50']:.0f} ms, errors {s.errors}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([s.to_json() for s in summaries], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -120,6 +120,10 @@ def write(data: dict[str, Any], out_dir: Path) -> None:
         add(f"| {c} | " + " | ".join(cells) + " |")
     add("")
 
+    opened = data.get("open_loop") or []
+    if opened:
+        _open_loop(add, opened)
+
     probe = data.get("ttft_probe") or {}
     if probe:
         add(
@@ -187,6 +191,31 @@ def _cpu_table(
             served = [sum(v for k, v in r.items() if k != "load generator") for r in runs]
             add(f"| {LABELS[s]} | " + " | ".join(cells) + f" | {_median(served):.0f} |")
         add("")
+
+
+def _open_loop(add: Any, opened: list[dict[str, Any]]) -> None:
+    rate = opened[0]["load"]
+    add(f"## Open loop: Poisson arrivals at {rate:g} requests/s (median of the runs)\n")
+    add(
+        "| system | output tokens/s | TTFT p50 / p99 ms | inter-token p50 / p99 ms | "
+        "end-to-end p50 / p99 ms |"
+    )
+    add("|---|---|---|---|---|")
+    by: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in opened:
+        by[r["system"]].append(r)
+    for system, runs in by.items():
+
+        def med(key: str, q: str | None = None, runs: list[dict[str, Any]] = runs) -> float:
+            return _median([r[key][q] if q else r[key] for r in runs])
+
+        add(
+            f"| {LABELS.get(system, system)} | {med('output_tokens_per_s'):,.0f} | "
+            f"{med('ttft_ms', 'p50'):.1f} / {med('ttft_ms', 'p99'):.1f} | "
+            f"{med('itl_ms', 'p50'):.1f} / {med('itl_ms', 'p99'):.1f} | "
+            f"{med('e2e_ms', 'p50'):.0f} / {med('e2e_ms', 'p99'):.0f} |"
+        )
+    add("")
 
 
 def _ceiling(add: Any, data: dict[str, Any], ceiling: list[dict[str, Any]]) -> None:

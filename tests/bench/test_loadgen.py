@@ -38,3 +38,31 @@ async def test_sse_lines_split_on_newline_only() -> None:
 
     got = [x async for x in _sse_data(Resp())]
     assert got == ['{"text": "a\u2028b\x1cc"}', '{"n": 1}']
+
+
+def test_command_line_runs_closed_and_open_loop_and_writes_json(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    worker = start_cpp_worker(tmp_path)
+    out = tmp_path / "runs.json"
+    try:
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "bench.loadgen", "--target", "worker",
+                "--address", worker.address, "--concurrency", "1,4", "--rate", "40",
+                "--requests", "12", "--prompt-len", "8-32", "--output-len", "16",
+                "--json", str(out),
+            ],  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        worker.stop()
+    assert done.returncode == 0, done.stderr
+    runs = json.loads(out.read_text())
+    assert [(r["mode"], r["load"]) for r in runs] == [("open", 40), ("closed", 1), ("closed", 4)]
+    assert all(r["requests"] == 12 and r["errors"] == 0 for r in runs)
+    assert "closed 4:" in done.stdout and "tok/s" in done.stdout
