@@ -47,18 +47,14 @@ def test_command_line_runs_closed_and_open_loop_and_writes_json(tmp_path: Path) 
 
     worker = start_cpp_worker(tmp_path)
     out = tmp_path / "runs.json"
+    argv = [
+        sys.executable, "-m", "bench.loadgen", "--target", "worker",
+        "--address", worker.address, "--concurrency", "1,4", "--rate", "40",
+        "--requests", "12", "--prompt-len", "8-32", "--output-len", "16",
+        "--json", str(out),
+    ]  # fmt: skip
     try:
-        done = subprocess.run(
-            [
-                sys.executable, "-m", "bench.loadgen", "--target", "worker",
-                "--address", worker.address, "--concurrency", "1,4", "--rate", "40",
-                "--requests", "12", "--prompt-len", "8-32", "--output-len", "16",
-                "--json", str(out),
-            ],  # fmt: skip
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     finally:
         worker.stop()
     assert done.returncode == 0, done.stderr
