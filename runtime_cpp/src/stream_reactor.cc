@@ -50,6 +50,10 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
       if (!write_in_flight_) write_next_locked(lock);
       return;
     }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_) return;  // cancelled meanwhile: start nothing, read no more
+    }
     for (const auto& request : in_.start()) start_request(request);
     for (const auto& name : in_.cancel()) cancel_request(name);
     {
