@@ -105,7 +105,7 @@ def write(data: dict[str, Any], out_dir: Path) -> None:
         add("")
 
     if "switchyard" in tput and "worker" in tput:
-        _targets(add, data, tput, ttft50, ttft99, offline, conc)
+        _targets(add, data, by, tput, ttft50, ttft99, offline, conc)
 
     _cpu_table(add, by, systems, conc)
 
@@ -254,6 +254,7 @@ def _ceiling(add: Any, data: dict[str, Any], ceiling: list[dict[str, Any]]) -> N
 def _targets(
     add: Any,
     data: dict[str, Any],
+    by: dict[str, dict[int, list[dict[str, Any]]]],
     tput: dict[str, dict[int, float]],
     ttft50: dict[str, dict[int, float]],
     ttft99: dict[str, dict[int, float]],
@@ -322,7 +323,6 @@ def _targets(
             f"{r1:.0f} -> {r2:.0f} MB | {'yes' if r2 <= r1 * 1.05 else 'no'} |"
         )
     add("")
-    by = _by(data["results"])
 
     def cpu(system: str, role: str) -> float:
         runs = [r.get("cpu_us_per_token") or {} for r in by.get(system, {}).get(top, [])]

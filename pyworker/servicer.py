@@ -31,7 +31,8 @@ from pyworker.errors import (
     abort_with,
 )
 from pyworker.load import InFlight, TokenRate
-from pyworker.request import ParsedGenerate, parse_generate
+from pyworker.request import ParsedGenerate, deadline_after, parse_generate
+from pyworker.session import Session
 
 log = structlog.get_logger(__name__)
 
@@ -40,8 +41,6 @@ Context = grpc.aio.ServicerContext[Any, Any]
 DEFAULT_LOAD_INTERVAL_MS = 500
 MIN_LOAD_INTERVAL_MS = 10
 _NO_DEADLINE_S = 1e7  # time_remaining() beyond this means "no deadline"
-# Part of the caller's deadline kept back, so that the TIME_LIMIT final reaches it in time.
-_DEADLINE_MARGIN_S = 0.02
 
 _FINISH_REASONS = {
     "length": common_pb2.FINISH_REASON_LENGTH,
@@ -79,8 +78,6 @@ class WorkerServicer:
         await self.serve(parsed, state, CallSink(context), arrived, deadline)
 
     async def GenerateStream(self, request_iterator: Any, context: Context) -> None:
-        from pyworker.session import Session
-
         await Session(self, context).run(request_iterator)
 
     def admit(self, request: Any) -> tuple[InFlight, ParsedGenerate]:
@@ -386,12 +383,6 @@ class CallSink:
 
     async def error(self, exc: WorkerError) -> None:
         await abort_with(self._context, exc)
-
-
-def deadline_after(remaining_s: float) -> float:
-    """The monotonic time to give up, keeping back a margin for the TIME_LIMIT final."""
-    budget = remaining_s - min(_DEADLINE_MARGIN_S, remaining_s / 10)
-    return time.monotonic() + max(budget, 0.0)
 
 
 async def _outside(budget: asyncio.Timeout, when: float | None, send: Awaitable[None]) -> None:

@@ -20,6 +20,7 @@ import structlog
 from switchyard.worker.v1 import worker_pb2
 
 from pyworker.errors import AlreadyExists, InvalidArgument, WorkerError
+from pyworker.request import deadline_after
 
 if TYPE_CHECKING:
     from pyworker.servicer import Context, WorkerServicer
@@ -74,8 +75,6 @@ class Session:
         except WorkerError as exc:
             self._error(request_id, exc)
             return
-        from pyworker.servicer import deadline_after
-
         deadline = deadline_after(request.timeout_ms / 1000.0) if request.timeout_ms else None
         sink = _EventSink(self, request_id)
         task = asyncio.create_task(
