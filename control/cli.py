@@ -8,13 +8,13 @@ switchyard models                         # list served models
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from pathlib import Path
 
 import grpc
 
 from control.config import DEFAULT_LISTEN, ConfigError, default_config, load_config
-from control.eventloop import run_event_loop
 from control.logs import configure_logging
 
 
@@ -74,7 +74,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if args.listen:
         config = type(config)(listen=args.listen, models=config.models)
-    return run_event_loop(
+    # asyncio's own loop, not uvloop: this process forks workers and routers, and a
+    # child forked by uvloop (fork(), so gRPC's fork handlers run) once died of SIGSEGV
+    # before exec.
+    return asyncio.run(
         serve(config, routers=args.routers, router_of=args.router_of, ready_file=args.ready_file)
     )
 
