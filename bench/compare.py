@@ -43,8 +43,8 @@ from bench.loadgen import (
     summarize,
 )
 from bench.offline import RESULT_PREFIX
-from control.logs import configure_logging
-from control.tinymodel import ensure_tiny_model
+from switchyard_common.logs import configure_logging
+from switchyard_common.tinymodel import ensure_tiny_model
 
 log = structlog.get_logger(__name__)
 

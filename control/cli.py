@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 
 from control.config import DEFAULT_LISTEN, ConfigError, default_config, load_config
-from control.logs import configure_logging
+from switchyard_common.logs import configure_logging
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,33 +1,31 @@
-"""The control plane's typed errors and the one table that maps them to gRPC statuses.
+"""The control plane's typed errors.
 
 Every failure a client can see is raised as a `SwitchyardError` subclass somewhere in the
-request path; the servicer turns it into a status with rich details
-(`google.rpc.Status` in the `grpc-status-details-bin` trailer) through `to_rpc_status`.
+request path; the servicers turn it into a status with rich details through the one table
+in `control.api.status`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NoReturn
+from switchyard_common.rpc_status import FieldViolation
 
-import grpc
-from google.protobuf import duration_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
-
-DETAILS_KEY = "grpc-status-details-bin"
-
-
-@dataclass(frozen=True, slots=True)
-class FieldViolation:
-    field: str
-    description: str
+__all__ = [
+    "AlreadyExists",
+    "FieldViolation",
+    "Internal",
+    "InvalidArgument",
+    "LoadFailed",
+    "ModelNotFound",
+    "NoHealthyWorker",
+    "NotFound",
+    "Overloaded",
+    "SwitchyardError",
+    "WorkerFailed",
+]
 
 
 class SwitchyardError(Exception):
     """Base of every error the control plane reports to a client."""
-
-    def details(self) -> list[status_pb2.Status]:  # pragma: no cover - overridden
-        return []
 
 
 class InvalidArgument(SwitchyardError):
@@ -73,63 +71,9 @@ class NotFound(SwitchyardError):
 
 
 class LoadFailed(SwitchyardError):
-    pass
+    """A model could not be loaded; the message has the cause, not a wrapper."""
 
 
-_CODES: dict[type[SwitchyardError], grpc.StatusCode] = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    ModelNotFound: grpc.StatusCode.NOT_FOUND,
-    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    NoHealthyWorker: grpc.StatusCode.UNAVAILABLE,
-    WorkerFailed: grpc.StatusCode.INTERNAL,
-    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    LoadFailed: grpc.StatusCode.FAILED_PRECONDITION,
-}
-
-
-def status_code(err: SwitchyardError) -> grpc.StatusCode:
-    for cls in type(err).__mro__:
-        code = _CODES.get(cls)
-        if code is not None:
-            return code
-    return grpc.StatusCode.INTERNAL
-
-
-def to_rpc_status(
-    err: SwitchyardError,
-) -> tuple[grpc.StatusCode, str, tuple[tuple[str, bytes], ...]]:
-    """(code, message, trailing metadata with the rich google.rpc.Status)."""
-    code = status_code(err)
-    message = str(err)
-    status = status_pb2.Status(code=_rpc_code(code), message=message)
-    if isinstance(err, InvalidArgument):
-        bad = error_details_pb2.BadRequest(
-            field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(
-                    field=v.field, description=v.description
-                )
-                for v in err.violations
-            ]
-        )
-        status.details.add().Pack(bad)
-    elif isinstance(err, Overloaded):
-        delay = duration_pb2.Duration()
-        delay.FromMilliseconds(max(1, int(err.retry_after_s * 1000)))
-        status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
-    elif isinstance(err, ModelNotFound):
-        info = error_details_pb2.ResourceInfo(resource_type="model", resource_name=err.model)
-        status.details.add().Pack(info)
-    return code, message, ((DETAILS_KEY, status.SerializeToString()),)
-
-
-def _rpc_code(code: grpc.StatusCode) -> int:
-    value: int = code.value[0]
-    return value if value in code_pb2.Code.values() else code_pb2.UNKNOWN
-
-
-async def abort_rpc(context: Any, err: SwitchyardError) -> NoReturn:
-    """End the RPC with `err`'s status from the table above, rich details included."""
-    code, message, trailers = to_rpc_status(err)
-    await context.abort(code, message, trailing_metadata=trailers)
-    raise AssertionError("unreachable")  # context.abort raises
+class Internal(SwitchyardError):
+    """A fault of the control plane itself (a bug): the client hears INTERNAL, with the
+    request id, and the log has the traceback."""

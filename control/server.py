@@ -20,12 +20,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
-from control.admin import AdminServicer
+from control.api.admin import AdminServicer
+from control.api.generation import GenerationServicer
 from control.config import ModelSpec, ServeConfig
-from control.lifecycle import ModelLoader, StartupError
-from control.models import ModelRegistry
-from control.routers import AdminForwarder, RouterPool
-from control.servicer import GenerationServicer
+from control.fleet.lifecycle import ModelLoader, StartupError
+from control.fleet.models import ModelRegistry
+from control.fleet.routers import AdminForwarder, RouterPool
 
 log = structlog.get_logger(__name__)
 
@@ -158,10 +158,12 @@ class ControlPlane:
 
     async def stop(self, grace: float = 10.0) -> None:
         log.info("shutting down", grace_s=grace)
+        tasks = [*self._background]
         if self._health_task is not None:
-            self._health_task.cancel()
-        for task in self._background:
+            tasks.append(self._health_task)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.pool is not None:
             await self.pool.stop()
         if self.forwarder is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import logging
 import os
 import sys
 import time
@@ -19,20 +18,14 @@ from typing import Any, TypeVar
 
 import structlog
 
+from switchyard_common.logs import configure_logging
+
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 1
 EXIT_STARTUP_FAILED = 2
-
-_LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-}
-
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from pyworker.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -67,26 +60,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--log-level", choices=("debug", "info", "warning", "error"), default="info"
     )
     return parser.parse_args(argv)
-
-
-def configure_logging(fmt: str, level: str = "info") -> None:
-    renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer()
-        if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=False)
-    )
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.dict_tracebacks if fmt == "json" else structlog.dev.set_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
 
 
 async def run(args: argparse.Namespace) -> int:

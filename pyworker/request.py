@@ -14,17 +14,15 @@ from typing import Any
 
 from pyworker.engine import EngineInfo
 from pyworker.errors import FieldViolation, InvalidArgument
+from switchyard_common.deadlines import budget
 
 _MAX_TEMPERATURE = 2.0  # vLLM rejects anything hotter
-# Part of the caller's deadline kept back, so that the TIME_LIMIT final reaches it in time.
-_DEADLINE_MARGIN_S = 0.02
 
 
 def deadline_after(remaining_s: float) -> float:
-    """The monotonic time to give up on a request with `remaining_s` left, keeping back a
-    margin for the TIME_LIMIT final."""
-    budget = remaining_s - min(_DEADLINE_MARGIN_S, remaining_s / 10)
-    return time.monotonic() + max(budget, 0.0)
+    """The monotonic time to give up on a request with `remaining_s` left, keeping back
+    the margin for the TIME_LIMIT final."""
+    return time.monotonic() + max(budget(remaining_s), 0.0)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from control.supervisor import free_port
-from control.tinymodel import ensure_tiny_model
+from control.fleet.supervisor import free_port
+from switchyard_common.tinymodel import ensure_tiny_model
 from tests.procs import Proc, start_process, wait_serving
 
 

@@ -225,7 +225,7 @@ def test_get_info(stub: Any, engine: str) -> None:
 def _start_fresh(engine: str, tmp: Path, tiny_model_dir: Path) -> Proc:
     if engine == "sim":
         return start_cpp_worker(tmp, "drain-cpp")
-    from control.supervisor import free_port
+    from control.fleet.supervisor import free_port
 
     port = free_port()
     proc = start_process(

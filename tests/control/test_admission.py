@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from control.admission import Admission
-from control.errors import Overloaded, to_rpc_status
+from control.api.status import to_rpc_status
+from control.errors import Overloaded
+from control.fleet.admission import Admission
 
 
 async def test_limits_and_priority_order() -> None:

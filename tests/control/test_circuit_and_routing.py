@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from control.circuit import CircuitBreaker, State
 from control.routing import RouteRequest, load_score, make_policy
 from control.routing.prefix_affinity import PrefixAffinity
+from control.workers.circuit import CircuitBreaker, State
 
 
 class Clock:

@@ -8,8 +8,8 @@ import pytest
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-from control.detokenizer import FORCE_LIMIT, IncrementalDetokenizer
-from control.tinymodel import ensure_tiny_model
+from control.text.detokenizer import FORCE_LIMIT, IncrementalDetokenizer
+from switchyard_common.tinymodel import ensure_tiny_model
 
 EOS_ID = 1
 REPLACEMENT_CHAR = "\ufffd"

@@ -14,7 +14,7 @@ from grpc_status import rpc_status
 from switchyard.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from control.tokenizer import Tokenizer
+from control.text.tokenizer import Tokenizer
 from tests.procs import Proc
 
 pytestmark = pytest.mark.engine

@@ -7,8 +7,9 @@ import math
 import pytest
 from switchyard.v1 import common_pb2, generation_pb2
 
-from control.errors import InvalidArgument, to_rpc_status
-from control.params import ModelLimits, parse_request
+from control.api.status import to_rpc_status
+from control.errors import InvalidArgument
+from control.text.params import ModelLimits, parse_request
 
 
 def req(**kw: object) -> generation_pb2.GenerateRequest:

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from control.stops import StopMatcher, StopResult
+from control.text.stops import StopMatcher, StopResult
 
 
 def feed(matcher: StopMatcher, pieces: Sequence[str]) -> tuple[list[str], str | None]:

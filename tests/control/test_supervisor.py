@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 from control.config import ModelSpec
-from control.supervisor import cpp_worker_binary, worker_command
-from control.tokenizer import Tokenizer
+from control.fleet.supervisor import cpp_worker_binary, worker_command
+from control.text.tokenizer import Tokenizer
 
 
 def test_vllm_worker_command() -> None:
@@ -49,7 +49,7 @@ def test_sim_worker_takes_vocabulary_and_eos_from_the_tokenizer(tiny_model_dir: 
 async def test_local_worker_restarts_with_backoff_then_gives_up() -> None:
     import asyncio
 
-    from control.supervisor import LocalWorker
+    from control.fleet.supervisor import LocalWorker
 
     lw = LocalWorker("dies", ["/bin/false"], "127.0.0.1:1", backoff_s=(0.05, 0.1))
     await lw.start()

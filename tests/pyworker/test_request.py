@@ -9,7 +9,7 @@ from switchyard.v1 import common_pb2
 from switchyard.worker.v1 import worker_pb2
 
 from pyworker.engine import EngineInfo
-from pyworker.errors import InvalidArgument, to_rpc_status
+from pyworker.errors import InvalidArgument, status_trailers_of
 from pyworker.request import parse_generate
 
 INFO = EngineInfo(
@@ -113,11 +113,13 @@ def test_invalid_fields_are_named(fields: dict[str, Any], expected: list[str]) -
 
 
 def test_invalid_argument_becomes_a_bad_request_status() -> None:
-    from google.rpc import code_pb2, error_details_pb2
+    from google.rpc import code_pb2, error_details_pb2, status_pb2
 
     with pytest.raises(InvalidArgument) as err:
         parse_generate(request(max_tokens=0), INFO)
-    status = to_rpc_status(err.value)
+    ((key, raw),) = status_trailers_of(err.value)
+    assert key == "grpc-status-details-bin"
+    status = status_pb2.Status.FromString(raw)
     assert status.code == code_pb2.INVALID_ARGUMENT
     bad = error_details_pb2.BadRequest()
     assert status.details[0].Unpack(bad)

@@ -11,6 +11,7 @@ import structlog
 from google.protobuf import json_format
 from switchyard.v1 import admin_pb2, admin_pb2_grpc
 
+from control.api.status import abort_rpc
 from control.config import ConfigError, parse_model
 from control.errors import (
     AlreadyExists,
@@ -19,11 +20,10 @@ from control.errors import (
     LoadFailed,
     NotFound,
     SwitchyardError,
-    abort_rpc,
 )
-from control.lifecycle import ModelLoader
-from control.models import ModelEntry, ModelRegistry
-from control.worker_client import WorkerClient
+from control.fleet.lifecycle import ModelLoader
+from control.fleet.models import ModelEntry, ModelRegistry
+from control.workers.client import WorkerClient
 
 log = structlog.get_logger(__name__)
 Context = grpc.aio.ServicerContext[Any, Any]

@@ -6,14 +6,14 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from control.admission import Admission
 from control.config import ModelSpec
 from control.errors import ModelNotFound, NoHealthyWorker
-from control.params import ModelLimits
+from control.fleet.admission import Admission
+from control.fleet.supervisor import LocalWorker
 from control.routing import Policy, RouteRequest, make_policy
-from control.supervisor import LocalWorker
-from control.tokenizer import Tokenizer
-from control.worker_client import WorkerClient, WorkerInfo
+from control.text.params import ModelLimits
+from control.text.tokenizer import Tokenizer
+from control.workers.client import WorkerClient, WorkerInfo
 
 
 @dataclass(slots=True)

@@ -11,10 +11,11 @@ import grpc
 import structlog
 from switchyard.v1 import generation_pb2, generation_pb2_grpc
 
-from control.errors import SwitchyardError, abort_rpc
-from control.generation import run_generation
-from control.models import ModelRegistry
-from control.params import parse_request
+from control.api.status import abort_rpc
+from control.errors import SwitchyardError
+from control.fleet.models import ModelRegistry
+from control.request.generation import run_generation
+from control.text.params import parse_request
 
 log = structlog.get_logger(__name__)
 

@@ -8,18 +8,19 @@ flight on it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from control.circuit import CircuitBreaker
-from control.worker_stream import StreamSession
+from control.workers.call import WorkerCall
+from control.workers.circuit import CircuitBreaker
+from control.workers.stream import StreamSession
 
 log = structlog.get_logger(__name__)
 
@@ -98,20 +99,26 @@ class WorkerClient:
         self.load = Load()
         self.breaker = CircuitBreaker(failure_threshold=self.health_policy.failure_threshold)
         self.last_canary_ms: float | None = None
-        self.calls: set[Any] = set()  # Generate calls in flight on this worker
-        self.ejected: set[Any] = set()  # calls cancelled because the worker was ejected
+        self.calls: set[WorkerCall] = set()  # generations in flight on this worker
+        self._attempts = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
         self._stream: StreamSession | None = None
 
-    def generate(self, request: worker_pb2.GenerateRequest, timeout: float | None) -> Any:
-        """Start one generation: on the worker's shared GenerateStream when it has one,
-        else as its own Generate call. Either way an async iterator of messages with
-        `chunk` or `final` set, with `cancel()` and `done()`."""
+    def generate(
+        self, request: worker_pb2.GenerateRequest, timeout: float | None, cost_tokens: int = 0
+    ) -> WorkerCall:
+        """One generation, as `async with worker.generate(...) as events`: on the worker's
+        shared GenerateStream when it has one, else as its own Generate call. The call
+        counts itself in flight (`cost_tokens` of prompt plus output) while it runs and
+        raises `WorkerCallFailed` for every way it can fail."""
         if self.health_policy.worker_stream and self.info and self.info.generate_stream:
             if self._stream is None:
                 self._stream = StreamSession(self.stub, self.address)
-            return self._stream.open(request, timeout)
-        return self.stub.Generate(request, timeout=timeout)
+            stream = self._stream
+            return WorkerCall(self, lambda: stream.open(request, timeout), cost_tokens)
+        # Generate keys requests by request_id on the worker: make each attempt's unique.
+        request.request_id = f"{request.request_id}~{next(self._attempts)}"
+        return WorkerCall(self, lambda: self.stub.Generate(request, timeout=timeout), cost_tokens)
 
     @property
     def healthy(self) -> bool:
@@ -210,8 +217,7 @@ class WorkerClient:
                     )
                     # Streams on a hung worker would hang with it: move them elsewhere.
                     for call in list(self.calls):
-                        self.ejected.add(call)
-                        call.cancel()
+                        call.eject()
 
     async def probe(self, timeout: float) -> bool:
         assert self.info is not None
@@ -263,14 +269,11 @@ class WorkerClient:
     async def close(self) -> None:
         self.serving = False
         self.draining = True
-        for t in self._tasks:
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except asyncio.CancelledError:
-                pass
-        self._tasks = []
+        # Waiting for them to end; a cancellation of our own caller still propagates.
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._stream is not None:
             await self._stream.close()
         await self.channel.close(grace=None)

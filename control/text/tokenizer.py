@@ -6,22 +6,30 @@ go straight to the Rust `tokenizers` backend when the tokenizer has one.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import structlog
 
-from control.detokenizer import IncrementalDetokenizer
+from control.text.detokenizer import IncrementalDetokenizer
 
 log = structlog.get_logger(__name__)
 
 
+# transformers imports its classes lazily on first use, and two threads doing that first
+# import at once can see a half-initialised module ("cannot import name 'AutoTokenizer'").
+# Tokenizers are built in threads, one per model at start-up: one at a time.
+_LOAD_LOCK = threading.Lock()
+
+
 class Tokenizer:
     def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer
-
         self.path = path
-        self._hf: Any = AutoTokenizer.from_pretrained(path)
+        with _LOAD_LOCK:
+            from transformers import AutoTokenizer
+
+            self._hf: Any = AutoTokenizer.from_pretrained(path)
         # The fast backend skips transformers' Python layers on every call.
         self._fast: Any = getattr(self._hf, "_tokenizer", None)
         self.vocab_size = len(self._hf)

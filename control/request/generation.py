@@ -19,33 +19,34 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, Sequence
 
-import grpc
 import structlog
 from switchyard.v1 import common_pb2, generation_pb2
 from switchyard.worker.v1 import worker_pb2
 
-from control.errors import AlreadyExists, InvalidArgument, NoHealthyWorker, WorkerFailed
-from control.models import ModelEntry
-from control.params import GenerationParams
+from control.errors import (
+    FieldViolation,
+    InvalidArgument,
+    NoHealthyWorker,
+    Overloaded,
+    SwitchyardError,
+    WorkerFailed,
+)
+from control.fleet.models import ModelEntry
+from control.request.failover import DEFAULT_POLICY, Next
 from control.routing import RouteRequest
-from control.stops import StopMatcher
-from control.worker_client import WorkerClient
-from control.worker_stream import WorkerCallError
+from control.text.params import GenerationParams
+from control.text.stops import StopMatcher
+from control.text.tokenizer import Tokenizer
+from control.workers.call import FailureKind, WorkerCallFailed
+from control.workers.client import WorkerClient
+from switchyard_common.deadlines import budget
 
 log = structlog.get_logger(__name__)
 
 FinishReason = common_pb2.FinishReason
-# Part of the client's deadline kept back so that TIME_LIMIT reaches the client in time.
-DEADLINE_MARGIN_S = 0.02
 PROMPT_CONTEXT_TOKENS = 5
-# Worker failures worth another worker. Lost connections (the process died, the worker
-# was ejected) fail over as long as workers remain; an engine error fails over once, so
-# that a request that breaks engines cannot take down every replica in turn.
-_CONNECTION_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
-_ENGINE_ERROR = frozenset(
-    {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
-)
-MAX_ENGINE_ERROR_RETRIES = 1
+# Prompts longer than this are tokenized in a thread, off the event loop.
+TOKENIZE_INLINE_MAX_CHARS = 4096
 _SAMPLING_FIELDS = (
     "temperature",
     "top_p",
@@ -85,8 +86,15 @@ def build_worker_request(
 def _remaining(deadline: float | None) -> float | None:
     if deadline is None:
         return None
-    left = deadline - time.monotonic()
-    return left - min(DEADLINE_MARGIN_S, max(left, 0.0) / 10)
+    return budget(deadline - time.monotonic())
+
+
+async def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of `text`; a long prompt is tokenized in a thread so that the event loop
+    keeps serving every other stream meanwhile."""
+    if len(text) <= TOKENIZE_INLINE_MAX_CHARS:
+        return tokenizer.encode(text)
+    return await asyncio.to_thread(tokenizer.encode, text)
 
 
 async def run_generation(
@@ -100,7 +108,7 @@ async def run_generation(
         prompt_ids = list(params.prompt_ids)
     else:
         assert params.prompt_text is not None
-        prompt_ids = entry.tokenizer.encode(params.prompt_text)
+        prompt_ids = await encode_prompt(entry.tokenizer, params.prompt_text)
     max_tokens = entry.limits.bind(params, prompt_ids)
 
     final = generation_pb2.Final(request_id=params.request_id, engine=entry.info.label)
@@ -152,6 +160,7 @@ class _Run:
         self.generated: list[int] = []
         self.attempts = 0
         self.engine_errors = 0
+        self.failover = DEFAULT_POLICY
         self.first_token_at: float | None = None
         self.worker_queue_ms = 0.0
         self.detok = entry.tokenizer.detokenizer(
@@ -163,6 +172,7 @@ class _Run:
 
     async def stream(self) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         tried: list[WorkerClient] = []
+        last_failure: WorkerCallFailed | None = None
         while True:
             remaining_tokens = self.max_tokens - len(self.generated)
             if remaining_tokens <= 0:  # the worker died after its last token
@@ -180,19 +190,25 @@ class _Run:
                     raise NoHealthyWorker(
                         f"{e}; the stream stopped after {len(self.generated)} tokens"
                     ) from e
+                if last_failure is not None and last_failure.kind is FailureKind.OVERLOADED:
+                    raise Overloaded(
+                        f"model {self.entry.name!r}: every worker is full ({e})",
+                        last_failure.retry_after_s or 1.0,
+                    ) from e
                 raise
             self.final.worker = worker.address
-            failed = False
+            failed: WorkerCallFailed | None = None
             async with contextlib.aclosing(self._attempt(worker, remaining_tokens)) as attempt:
                 async for msg in attempt:
-                    if msg is None:  # this worker failed; another continues
-                        failed = True
+                    if isinstance(msg, WorkerCallFailed):  # another worker continues
+                        failed = msg
                         break
                     if msg.HasField("final"):
                         break
                     yield msg
-            if not failed:
+            if failed is None:
                 break
+            last_failure = failed
             tried.append(worker)
         if not self.final.stop_string:
             tail = self._match(self.detok.flush(), final_piece=True)
@@ -213,17 +229,15 @@ class _Run:
 
     async def _attempt(
         self, worker: WorkerClient, remaining_tokens: int
-    ) -> AsyncGenerator[generation_pb2.GenerateResponse | None, None]:
+    ) -> AsyncGenerator[generation_pb2.GenerateResponse | WorkerCallFailed, None]:
         """Chunks from one worker; then a message with `final` set when the request is
-        over (the Final itself is filled in self.final), or None when the worker failed
-        and another should continue."""
+        over (the Final itself is filled in self.final), or the failure when another
+        worker should continue."""
         p = self.params
         context = self.prompt_ids + self.generated
         wreq = build_worker_request(
             p, context, remaining_tokens, max(0, p.min_tokens - len(self.generated))
         )
-        if self.attempts:  # a retry must not collide with the aborting first attempt
-            wreq.request_id = f"{p.request_id}.retry{self.attempts}"
         self.attempts += 1
         timeout = _remaining(self.deadline)
         if timeout is not None and timeout <= 0:
@@ -231,100 +245,54 @@ class _Run:
             yield generation_pb2.GenerateResponse(final=self.final)
             return
         want_logprobs = p.logprobs is not None
-        cost = len(context) + remaining_tokens
-        worker_final: worker_pb2.Final | None = None
-        call = None
-        worker.in_flight += 1
-        worker.in_flight_tokens += cost
+        call = worker.generate(wreq, timeout, cost_tokens=len(context) + remaining_tokens)
         try:
-            call = worker.generate(wreq, timeout)
-            worker.calls.add(call)
-            async for resp in call:
-                if resp.HasField("final"):
-                    worker_final = resp.final
-                    break
-                wchunk = resp.chunk
-                ids = list(wchunk.token_ids)
-                self.generated.extend(ids)
-                if self.first_token_at is None:
-                    self.first_token_at = time.perf_counter()
-                text = self._match(self.detok.push(ids))
-                if self.final.stop_string:
-                    ids = self._cut_at_stop(ids)
-                chunk = generation_pb2.Chunk(text=text, token_ids=ids)
-                if want_logprobs:
-                    self._copy_logprobs(chunk, wchunk.logprobs[: len(ids)])
-                yield generation_pb2.GenerateResponse(chunk=chunk)
-                if self.final.stop_string:
-                    call.cancel()  # the worker aborts the engine request
-                    yield generation_pb2.GenerateResponse(final=self.final)
-                    return
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if call is None or call not in worker.ejected or (task and task.cancelling()):
-                raise  # the client went away
-            # The worker was ejected (hung) while this stream was on it: go elsewhere.
-            log.warning("worker ejected mid-stream; failing over", worker=worker.address)
-            yield None
-            return
-        except grpc.aio.UsageError:  # the worker's channel closed under us (unload)
-            yield None
-            return
-        except (grpc.aio.AioRpcError, WorkerCallError) as e:
-            code = e.code()
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            async with call as events:
+                async for resp in events:
+                    if resp.HasField("final"):
+                        self._take_final(resp.final)
+                        yield generation_pb2.GenerateResponse(final=self.final)
+                        return
+                    wchunk = resp.chunk
+                    ids = list(wchunk.token_ids)
+                    self.generated.extend(ids)
+                    if self.first_token_at is None:
+                        self.first_token_at = time.perf_counter()
+                    text = self._match(self.detok.push(ids))
+                    if self.final.stop_string:
+                        ids = self._cut_at_stop(ids)
+                    chunk = generation_pb2.Chunk(text=text, token_ids=ids)
+                    if want_logprobs:
+                        self._copy_logprobs(chunk, wchunk.logprobs[: len(ids)])
+                    yield generation_pb2.GenerateResponse(chunk=chunk)
+                    if self.final.stop_string:
+                        call.cancel()  # the worker aborts the engine request
+                        yield generation_pb2.GenerateResponse(final=self.final)
+                        return
+        except WorkerCallFailed as failure:
+            step = self.failover.next_step(failure, self.engine_errors)
+            if step is Next.TIME_LIMIT:
                 self.final.finish_reason = FinishReason.FINISH_REASON_TIME_LIMIT
                 yield generation_pb2.GenerateResponse(final=self.final)
                 return
-            retry = code in _CONNECTION_LOST or (
-                code in _ENGINE_ERROR and self.engine_errors < MAX_ENGINE_ERROR_RETRIES
-            )
-            if not retry:
+            if step is Next.FAIL:
                 if not self.generated:
-                    raise _worker_error(worker.address, e) from e
+                    raise _client_error(failure, p) from failure
                 self.final.finish_reason = FinishReason.FINISH_REASON_ERROR
-                self.final.error_message = f"worker {worker.address}: {code.name}: {e.details()}"
+                self.final.error_message = str(failure)
                 yield generation_pb2.GenerateResponse(final=self.final)
                 return
-            if code in _CONNECTION_LOST:
-                worker.breaker.record_failure()
-            else:
+            if failure.kind is FailureKind.ENGINE:
                 self.engine_errors += 1
             log.warning(
                 "worker failed; failing over",
                 worker=worker.address,
-                code=code.name,
+                kind=failure.kind.value,
+                error=failure.message,
                 tokens_so_far=len(self.generated),
                 request_id=p.request_id,
             )
-            yield None
-            return
-        finally:
-            worker.in_flight -= 1
-            worker.in_flight_tokens -= cost
-            if call is not None:
-                worker.calls.discard(call)
-                worker.ejected.discard(call)
-                if not call.done():
-                    call.cancel()
-        if worker_final is None or worker_final.finish_reason == FinishReason.FINISH_REASON_ERROR:
-            error = worker_final.error_message if worker_final else "no final message"
-            if self.engine_errors >= MAX_ENGINE_ERROR_RETRIES:
-                self.final.finish_reason = FinishReason.FINISH_REASON_ERROR
-                self.final.error_message = f"worker {worker.address}: {error}"
-                yield generation_pb2.GenerateResponse(final=self.final)
-                return
-            self.engine_errors += 1
-            log.warning(
-                "worker ended the stream without finishing; failing over",
-                worker=worker.address,
-                error=error,
-            )
-            yield None
-            return
-        worker.breaker.record_success()
-        self._take_final(worker_final)
-        yield generation_pb2.GenerateResponse(final=self.final)
+            yield failure
 
     def _cut_at_stop(self, ids: list[int]) -> list[int]:
         """The chunk's ids up to the token that completed the stop string; later ones were
@@ -362,11 +330,34 @@ class _Run:
                 top.token = decode([top.token_id], False)
 
 
-def _worker_error(address: str, e: grpc.aio.AioRpcError | WorkerCallError) -> Exception:
-    code = e.code()
-    details = e.details() or ""
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidArgument.one("request", f"rejected by worker {address}: {details}")
-    if code == grpc.StatusCode.ALREADY_EXISTS:
-        return AlreadyExists(f"request_id is already in flight: {details}")
-    return WorkerFailed(address, f"{code.name}: {details}")
+# Worker request fields as the client named them in the public request.
+_PUBLIC_FIELDS = {
+    "max_tokens": "stopping.max_tokens",
+    "min_tokens": "stopping.min_tokens",
+    "stop_token_ids": "stopping.stop_token_ids",
+    "ignore_eos": "stopping.ignore_eos",
+    "logprobs": "output.logprobs",
+}
+
+
+def _public_field(field: str, params: GenerationParams) -> str:
+    head, sep, rest = field.partition("[")
+    if head == "prompt_token_ids":
+        return params.prompt_field
+    public = _PUBLIC_FIELDS.get(head)
+    return f"{public}{sep}{rest}" if public is not None else field
+
+
+def _client_error(failure: WorkerCallFailed, params: GenerationParams) -> SwitchyardError:
+    """What the client hears of a worker failure that ends its request before any token."""
+    if failure.kind is FailureKind.REJECTED:
+        violations = [
+            FieldViolation(
+                _public_field(v.field, params), f"{v.description} (worker {failure.worker})"
+            )
+            for v in failure.violations
+        ] or [FieldViolation("request", f"rejected by worker {failure.worker}: {failure.message}")]
+        return InvalidArgument(violations)
+    if failure.kind is FailureKind.SLOW_READER:
+        return Overloaded(f"the stream was read too slowly: {failure.message}", 1.0)
+    return WorkerFailed(failure.worker, failure.message)

@@ -4,7 +4,6 @@ and stop them (SIGTERM, a grace period, then SIGKILL)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import signal
@@ -17,7 +16,7 @@ from pathlib import Path
 import structlog
 
 from control.config import ModelSpec
-from control.tokenizer import Tokenizer
+from control.text.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -148,8 +147,8 @@ class LocalWorker:
         self._stopping = True
         if self._monitor is not None:
             self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
+            # Wait for it to end; a cancellation of our own caller still propagates.
+            await asyncio.gather(self._monitor, return_exceptions=True)
         proc = self.proc
         if proc is None or proc.returncode is not None:
             return

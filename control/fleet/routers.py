@@ -29,8 +29,8 @@ import yaml
 from switchyard.v1 import admin_pb2, admin_pb2_grpc
 
 from control.config import ModelSpec
-from control.models import ModelRegistry
-from control.supervisor import LocalWorker
+from control.fleet.models import ModelRegistry
+from control.fleet.supervisor import LocalWorker
 
 log = structlog.get_logger(__name__)
 
@@ -46,7 +46,6 @@ def router_config(listen: str, models: Sequence[tuple[ModelSpec, Sequence[str]]]
             "name": spec.name,
             "engine": spec.engine,
             "model": spec.model,
-            "workers": list(addresses),
             "routing": spec.routing,
             "limits": {"max_concurrency": spec.max_concurrency, "max_queue": spec.max_queue},
             "health": {
@@ -56,6 +55,13 @@ def router_config(listen: str, models: Sequence[tuple[ModelSpec, Sequence[str]]]
             },
             "worker_stream": spec.worker_stream,
         }
+        if spec.dns:
+            # Workers behind a name come and go: each router follows the name itself.
+            m["discovery"] = {"dns": spec.dns, "interval_s": spec.dns_interval_s}
+            if spec.workers:
+                m["workers"] = list(spec.workers)
+        else:
+            m["workers"] = list(addresses)
         if spec.tokenizer:
             m["tokenizer"] = spec.tokenizer
         out.append(m)

@@ -16,11 +16,11 @@ from typing import Any
 import structlog
 
 from control.config import ModelSpec
-from control.models import ModelEntry, ModelRegistry
-from control.supervisor import LocalWorker, free_port, worker_command
-from control.tinymodel import ensure_tiny_model
-from control.tokenizer import Tokenizer
-from control.worker_client import HealthPolicy, WorkerClient, WorkerInfo
+from control.fleet.models import ModelEntry, ModelRegistry
+from control.fleet.supervisor import LocalWorker, free_port, worker_command
+from control.text.tokenizer import Tokenizer
+from control.workers.client import HealthPolicy, WorkerClient, WorkerInfo
+from switchyard_common.tinymodel import ensure_tiny_model
 
 log = structlog.get_logger(__name__)
 
@@ -30,6 +30,13 @@ REMOTE_READY_TIMEOUT_S = 120.0
 
 class StartupError(RuntimeError):
     pass
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The first real error inside task-group wrappers: what an operator needs to read."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +130,11 @@ class ModelLoader:
         except BaseException as e:
             await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
             await asyncio.gather(*(w.stop() for w in local), return_exceptions=True)
-            if isinstance(e, Exception) and not isinstance(e, StartupError):
-                raise StartupError(f"model {spec.name}: {type(e).__name__}: {e}") from e
+            cause = root_cause(e)
+            if isinstance(cause, StartupError):
+                raise cause from e
+            if isinstance(cause, Exception):
+                raise StartupError(f"model {spec.name}: {type(cause).__name__}: {cause}") from e
             raise
         finally:
             self.loading.discard(spec.name)
@@ -212,8 +222,10 @@ class ModelLoader:
         await asyncio.gather(*(w.stop() for w in entry.local), return_exceptions=True)
 
     async def stop_all(self) -> None:
-        for task in [*self._discovery.values(), *self._background]:
+        tasks = [*self._discovery.values(), *self._background]
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(
             *(self.stop_entry(e) for e in self.registry.all()), return_exceptions=True
         )
