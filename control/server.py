@@ -26,6 +26,7 @@ from control.config import ModelSpec, ServeConfig
 from control.fleet.lifecycle import ModelLoader, StartupError
 from control.fleet.models import ModelRegistry
 from control.fleet.routers import AdminForwarder, RouterPool
+from switchyard_common.ports import bind
 
 log = structlog.get_logger(__name__)
 
@@ -89,9 +90,7 @@ class ControlPlane:
             await self.health.set(name, NOT_SERVING)
         # Until they are up, requests for configured models hear UNAVAILABLE ("loading").
         self.registry.loading.update(m.name for m in self.config.models)
-        self.port = self.server.add_insecure_port(self.config.listen)
-        if self.port == 0:
-            raise StartupError(f"cannot listen on {self.config.listen}")
+        self.port = bind(self.server, self.config.listen)
         private = ""
         if self.routers > 1:  # where the routers reach this process's Admin service
             private = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import structlog
 
 from switchyard_common.logs import configure_logging
+from switchyard_common.ports import check_free
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -75,6 +76,11 @@ async def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         enforce_eager=args.enforce_eager,
     )
+    try:
+        check_free(args.host, args.port)  # before minutes of engine start, not after
+    except OSError as exc:
+        log.error("startup failed", error=str(exc))
+        return EXIT_STARTUP_FAILED
     started = time.monotonic()
     try:
         engine = build_engine(settings)

@@ -23,6 +23,7 @@ from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from pyworker.engine import Engine
 from pyworker.servicer import WorkerServicer
+from switchyard_common.ports import NO_REUSEPORT, bind
 
 log = structlog.get_logger(__name__)
 
@@ -50,7 +51,7 @@ class WorkerServer:
     def __init__(self, engine: Engine, host: str, port: int) -> None:
         self._engine = engine
         self._address = listen_address(host, port)
-        self._server = grpc.aio.server()
+        self._server = grpc.aio.server(options=[NO_REUSEPORT])
         self._health = health_aio.HealthServicer()
         self.servicer = WorkerServicer(engine)
         self.port = 0
@@ -71,9 +72,7 @@ class WorkerServer:
     async def start(self) -> int:
         for name in HEALTH_SERVICES:
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self._server.add_insecure_port(self._address)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {self._address}")
+        self.port = bind(self._server, self._address)
         await self._server.start()
         for name in HEALTH_SERVICES:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)

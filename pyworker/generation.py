@@ -1,0 +1,409 @@
+"""Generation on the engine, whatever carries it: validate and admit a request, run it
+on vLLM's `AsyncLLM`, and end it with exactly one Final or one error, through a `Sink`.
+
+The RPC adapters (`servicer.py` for `Generate`, `session.py` for `GenerateStream`) only
+say where the messages go. Token ids in, token ids out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from typing import Any, Protocol
+
+import structlog
+from switchyard.v1 import common_pb2
+from switchyard.worker.v1 import worker_pb2
+
+from pyworker.engine import Engine
+from pyworker.errors import (
+    AlreadyExists,
+    EngineFailure,
+    InvalidArgument,
+    Overloaded,
+    Unavailable,
+    WorkerError,
+)
+from pyworker.load import InFlight, TokenRate
+from pyworker.request import ParsedGenerate, parse_generate
+
+log = structlog.get_logger(__name__)
+
+_FINISH_REASONS = {
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "repetition": common_pb2.FINISH_REASON_STOP,
+    "abort": common_pb2.FINISH_REASON_CANCELLED,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+
+
+class StreamClosed(Exception):
+    """Writing to the RPC failed: the client is gone, nobody reads the rest."""
+
+
+class Sink(Protocol):
+    """Where one request's messages go: its own Generate call, or a GenerateStream."""
+
+    # Whether sending waits on the network (then the deadline pauses around it).
+    blocking: bool
+
+    async def chunk(self, chunk: Any) -> None: ...
+
+    async def final(self, final: Any) -> None: ...
+
+    async def time_limit(self, final: Any) -> None:
+        """The TIME_LIMIT final, after the deadline aborted the request."""
+
+    async def error(self, exc: WorkerError) -> None:
+        """The request failed before its first token."""
+
+
+class Generations:
+    """Every request in flight on one engine, whichever RPC brought it."""
+
+    def __init__(self, engine: Engine, *, rate_window_s: float = 2.0) -> None:
+        self._engine = engine
+        self._inflight: dict[str, InFlight] = {}
+        self._rate = TokenRate(window_s=rate_window_s)
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def admit(self, request: Any, request_id: str) -> tuple[InFlight, ParsedGenerate]:
+        """Validate a request and count it in flight as the engine's `request_id`;
+        raises `WorkerError`. The caller must `release` it unless `serve` runs."""
+        try:
+            parsed = parse_generate(request, self._engine.info)
+            if self._engine.errored:
+                raise Unavailable("the engine is dead; this worker is restarting")
+            if request_id in self._inflight:
+                raise AlreadyExists(f"request_id {request_id!r} is already in flight")
+        except WorkerError as exc:
+            log.info("generate rejected", request_id=request_id, code=exc.code.name, error=str(exc))
+            raise
+        state = InFlight(request_id, prompt_tokens=len(parsed.prompt_token_ids))
+        self._inflight[request_id] = state
+        return state, parsed
+
+    async def serve(
+        self,
+        parsed: ParsedGenerate,
+        state: InFlight,
+        sink: Sink,
+        arrived: float,
+        deadline: float | None,
+    ) -> None:
+        """Run one admitted request to its end: a Final, or an error before the first
+        token, through `sink`. Cancellation aborts the engine request."""
+        request_id = state.request_id
+        try:
+            await self._stream(parsed, state, sink, arrived, deadline)
+        except TimeoutError:
+            if state.finished:  # the deadline fell just after the final went out
+                return
+            # The engine request is aborted; the caller, still listening, hears TIME_LIMIT.
+            log.info("generate deadline expired", request_id=request_id)
+            await self._guard_abort(state)
+            final = worker_pb2.Final(
+                finish_reason=common_pb2.FINISH_REASON_TIME_LIMIT,
+                usage=common_pb2.Usage(
+                    prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens
+                ),
+            )
+            await sink.time_limit(final)
+        except WorkerError as exc:
+            log.warning("generate failed", request_id=request_id, error=str(exc))
+            await self._guard_abort(state)
+            await sink.error(exc)
+        except StreamClosed:
+            log.info("generate stream closed by the client", request_id=request_id)
+        finally:
+            # Cancellation (client gone, deadline) lands here too: generate() aborts on
+            # its own when cancelled; this guard covers the gaps around it.
+            self.release(state)
+            await self._guard_abort(state)
+
+    def release(self, state: InFlight) -> None:
+        """Forget an admitted request (idempotent); also for one whose `serve` never ran
+        (a start cancelled before its task began)."""
+        if self._inflight.get(state.request_id) is state:
+            del self._inflight[state.request_id]
+
+    async def _stream(
+        self,
+        parsed: ParsedGenerate,
+        state: InFlight,
+        sink: Sink,
+        arrived: float,
+        deadline: float | None,
+    ) -> None:
+        """Relay the engine's outputs. Only waiting on the engine counts against the
+        deadline (TimeoutError); a write to the client is never interrupted half-way."""
+        llm = self._engine.llm
+        completion_tokens = 0
+        cached_tokens = 0
+        last_token: int | None = None
+        first_token_at: float | None = None
+        outputs: AsyncIterator[Any] = llm.generate(
+            self._engine.make_prompt(parsed.prompt_token_ids),
+            parsed.sampling_params,
+            state.request_id,
+            priority=parsed.priority,
+        )
+        try:
+            # After the finished output the generator ends by itself; leaving the loop
+            # early would make it abort a request that is already done.
+            loop = asyncio.get_running_loop()
+            when = None if deadline is None else loop.time() + (deadline - time.monotonic())
+            async with asyncio.timeout_at(when) as budget:
+                async for out in outputs:
+                    completion = out.outputs[0]
+                    cached_tokens = int(getattr(out, "num_cached_tokens", None) or cached_tokens)
+                    if state.aborted:
+                        if not out.finished:
+                            # The Abort RPC came before the engine knew this request.
+                            await llm.abort(state.request_id)
+                            continue
+                    else:
+                        token_ids = list(completion.token_ids)
+                        if token_ids:
+                            if first_token_at is None:
+                                first_token_at = time.monotonic()
+                            chunk = worker_pb2.Chunk(token_ids=token_ids)
+                            if parsed.logprobs is not None and completion.logprobs:
+                                chunk.logprobs.extend(
+                                    _logprobs(token_ids, completion.logprobs, parsed.logprobs)
+                                )
+                            if sink.blocking:
+                                await _outside(budget, when, sink.chunk(chunk))
+                            else:
+                                await sink.chunk(chunk)
+                            completion_tokens += len(token_ids)
+                            state.completion_tokens = completion_tokens
+                            last_token = token_ids[-1]
+                            self._rate.add(len(token_ids))
+                    if out.finished:
+                        state.finished = True
+                        final = self._final(parsed, state, completion, last_token)
+                        final.usage.prompt_tokens = len(parsed.prompt_token_ids)
+                        final.usage.completion_tokens = completion_tokens
+                        final.usage.cached_prompt_tokens = cached_tokens
+                        final.queue_ms = _queue_ms(getattr(out, "metrics", None))
+                        if first_token_at is not None:
+                            final.time_to_first_token_ms = (first_token_at - arrived) * 1000.0
+                        await _outside(budget, when, sink.final(final))
+        except (asyncio.CancelledError, TimeoutError, WorkerError, StreamClosed):
+            raise
+        except Exception as exc:
+            if state.finished:  # the Final is out; nothing left to tell the client
+                log.warning("engine error after the final", request_id=state.request_id)
+                return
+            await self._engine_error(exc, state, sink, completion_tokens, parsed)
+            return
+        finally:
+            with contextlib.suppress(Exception):
+                await outputs.aclose()  # type: ignore[attr-defined]
+        if not state.finished:
+            await self._engine_error(
+                RuntimeError("the engine ended the stream without finishing the request"),
+                state,
+                sink,
+                completion_tokens,
+                parsed,
+            )
+
+    async def _engine_error(
+        self,
+        exc: BaseException,
+        state: InFlight,
+        sink: Sink,
+        completion_tokens: int,
+        parsed: ParsedGenerate,
+    ) -> None:
+        message = _describe(exc)
+        if completion_tokens == 0:
+            kind = _classify(exc)
+            if kind is InvalidArgument:
+                raise InvalidArgument.field(_client_field(exc), message) from exc
+            if kind is Overloaded:
+                raise Overloaded(f"the engine is full: {message}") from exc
+            raise EngineFailure(f"engine error: {message}") from exc
+        log.error("engine failed mid-stream", request_id=state.request_id, error=message)
+        await self._guard_abort(state)
+        final = worker_pb2.Final(
+            finish_reason=common_pb2.FINISH_REASON_ERROR,
+            error_message=f"engine error: {message}",
+            usage=common_pb2.Usage(
+                prompt_tokens=len(parsed.prompt_token_ids), completion_tokens=completion_tokens
+            ),
+        )
+        state.finished = True
+        await sink.final(final)
+
+    def _final(
+        self, parsed: ParsedGenerate, state: InFlight, completion: Any, last_token: int | None
+    ) -> Any:
+        """A Final with the finish and stop reasons; the caller fills usage and timing."""
+        reason = str(completion.finish_reason) if completion.finish_reason is not None else ""
+        final = worker_pb2.Final()
+        if state.aborted:
+            final.finish_reason = common_pb2.FINISH_REASON_CANCELLED
+            return final
+        final.finish_reason = _FINISH_REASONS.get(reason, common_pb2.FINISH_REASON_STOP)
+        if reason == "error":
+            final.error_message = "the engine failed this request"
+        elif reason == "stop":
+            stop_reason = completion.stop_reason
+            if last_token is not None and last_token in self._engine.info.eos_token_ids:
+                final.eos_token_id = last_token
+            elif isinstance(stop_reason, int) and not isinstance(stop_reason, bool):
+                final.stop_token_id = stop_reason
+            elif last_token is not None and last_token in parsed.stop_token_ids:
+                final.stop_token_id = last_token
+        return final
+
+    async def _guard_abort(self, state: InFlight) -> None:
+        if state.finished:
+            return
+        state.finished = True
+        try:
+            await self._engine.llm.abort(state.request_id)
+        except Exception:
+            log.warning("engine abort failed", request_id=state.request_id, exc_info=True)
+
+    async def abort(self, request_ids: Iterable[str]) -> int:
+        """Abort the requests in flight among `request_ids` (their streams end with a
+        CANCELLED final); how many there were. Raises EngineFailure."""
+        ids = [
+            rid
+            for rid in dict.fromkeys(request_ids)
+            if (state := self._inflight.get(rid)) is not None and not state.finished
+        ]
+        for rid in ids:
+            self._inflight[rid].aborted = True
+        if ids:
+            try:
+                await self._engine.llm.abort(ids)
+            except Exception as exc:
+                log.error("engine abort failed", request_ids=ids, exc_info=True)
+                raise EngineFailure(f"engine abort failed: {_describe(exc)}") from exc
+            log.info("aborted", request_ids=ids)
+        return len(ids)
+
+    def load_report(self) -> Any:
+        """The current load, with stale engine stats bounded by the worker's own count."""
+        snap = self._engine.load.snapshot()
+        in_flight = len(self._inflight)
+        running = min(snap.running, in_flight)
+        waiting = min(snap.waiting, in_flight - running)
+        usage = min(max(snap.kv_cache_usage, 0.0), 1.0)
+        total = self._engine.info.kv_blocks_total
+        used = min(total, round(usage * total))
+        return worker_pb2.LoadReport(
+            running=running,
+            waiting=waiting,
+            kv_cache_usage=usage,
+            kv_blocks_used=used,
+            kv_blocks_free=total - used,
+            generation_tokens_per_s=self._rate.rate(),
+            timestamp_s=time.time(),
+        )
+
+
+async def _outside(budget: asyncio.Timeout, when: float | None, send: Awaitable[None]) -> None:
+    """Send with the deadline paused: it covers waiting on the engine, and a write cut
+    off half-way would leave the stream unusable for the TIME_LIMIT final."""
+    budget.reschedule(None)
+    try:
+        await send
+    finally:
+        budget.reschedule(when)
+
+
+def _logprobs(token_ids: list[int], positions: Iterable[Any], top_n: int) -> list[Any]:
+    """One TokenLogprob per token: the chosen token's logprob and the top-n alternatives."""
+    result = []
+    for token_id, position in zip(token_ids, positions, strict=False):
+        if not position:
+            result.append(common_pb2.TokenLogprob(token_id=token_id, logprob=math.nan))
+            continue
+        chosen = position.get(token_id)
+        ranked = sorted(
+            position.items(),
+            key=lambda item: (
+                item[1].rank if item[1].rank is not None else math.inf,
+                -item[1].logprob,
+            ),
+        )[:top_n]
+        result.append(
+            common_pb2.TokenLogprob(
+                token_id=token_id,
+                logprob=chosen.logprob if chosen is not None else math.nan,
+                top=[common_pb2.TopLogprob(token_id=t, logprob=lp.logprob) for t, lp in ranked],
+            )
+        )
+    return result
+
+
+def _queue_ms(metrics: Any) -> float:
+    """Engine arrival until first scheduled, from vLLM's per-request stats if present."""
+    if metrics is None:
+        return 0.0
+    queued = getattr(metrics, "queued_ts", 0.0) or 0.0
+    scheduled = getattr(metrics, "scheduled_ts", 0.0) or 0.0
+    if queued > 0 and scheduled >= queued:
+        return float(scheduled - queued) * 1000.0
+    in_queue = getattr(metrics, "time_in_queue", None)  # older releases
+    return float(in_queue) * 1000.0 if in_queue else 0.0
+
+
+def _classify(exc: BaseException) -> type[WorkerError] | None:
+    """What vLLM's own error says about the request: the client's fault (its
+    `VLLMClientError` family), a full engine (queue or prefill backlog limits), or
+    nothing (an engine fault). Releases without `vllm.exceptions` say nothing, and a bare
+    ValueError from inside the engine is an engine fault, not the client's."""
+    try:
+        from vllm import exceptions as vllm_errors
+    except ImportError:  # older releases
+        return None
+    client = getattr(vllm_errors, "VLLMClientError", None)
+    full = tuple(
+        cls
+        for name in ("QueueOverflowError", "MaxQueuedTokensError")
+        if isinstance(cls := getattr(vllm_errors, name, None), type)
+    )
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(client, type) and isinstance(cause, client):
+            return InvalidArgument
+        if full and isinstance(cause, full):
+            return Overloaded
+        cause = cause.__cause__
+    return None
+
+
+def _client_field(exc: BaseException) -> str:
+    cause: BaseException | None = exc
+    while cause is not None:
+        parameter = getattr(cause, "parameter", None)
+        if parameter:
+            return str(parameter)
+        cause = cause.__cause__
+    return "request"
+
+
+def _describe(exc: BaseException) -> str:
+    cause = exc.__cause__
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if cause is not None and cause is not exc:
+        text += f" (caused by {_describe(cause)})"
+    return text
