@@ -1,9 +1,16 @@
-"""`switchyard.v1.Generation`: the public API, over grpc.aio."""
+"""`switchyard.v1.Generation`: the public API, over grpc.aio.
+
+Each handler binds the request's id and model to the log context, so every line logged
+while serving it carries them. A `SwitchyardError` becomes its status through the one
+table (`control.api.status`); anything else is a fault of ours: it is logged with its
+traceback and the client hears INTERNAL with the request id, never grpc's UNKNOWN.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
@@ -12,12 +19,13 @@ import structlog
 from switchyard.v1 import generation_pb2, generation_pb2_grpc
 
 from control.api.status import abort_rpc
-from control.errors import SwitchyardError
+from control.errors import Internal, InvalidArgument, SwitchyardError
 from control.fleet.models import ModelRegistry
-from control.request.generation import run_generation
-from control.text.params import parse_request
+from control.request.generation import encode_prompt, run_generation
+from control.text.params import MAX_PROMPT_CHARS, parse_request
 
 log = structlog.get_logger(__name__)
+Context = grpc.aio.ServicerContext[Any, Any]
 
 
 async def _abort(context: Any, err: SwitchyardError) -> NoReturn:
@@ -25,68 +33,93 @@ async def _abort(context: Any, err: SwitchyardError) -> NoReturn:
     await abort_rpc(context, err)
 
 
+async def _fail(context: Any, exc: Exception, request_id: str) -> NoReturn:
+    """An exception nobody expected: log it whole, tell the client INTERNAL."""
+    log.error("request failed unexpectedly", exc_info=exc)
+    await abort_rpc(context, Internal(f"internal error serving request {request_id}: {exc!r}"))
+
+
+def _request_id(request: Any) -> str:
+    """The client's id when it gave one (it is validated later), else a fresh one that
+    the request then keeps."""
+    if not request.request_id:
+        request.request_id = uuid.uuid4().hex
+    return str(request.request_id)[:128]
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignore[misc]
     def __init__(self, registry: ModelRegistry) -> None:
         self._registry = registry
 
     async def Generate(
-        self,
-        request: generation_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext[object, object],
+        self, request: generation_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         received = time.perf_counter()
-        try:
-            params = parse_request(request)
-            entry = self._registry.get(params.model)
-            gen = run_generation(entry, params, received, context.time_remaining())
-            async with contextlib.aclosing(gen):
-                async for resp in gen:
-                    yield resp
-        except SwitchyardError as e:
-            await _abort(context, e)
+        request_id = _request_id(request)
+        with structlog.contextvars.bound_contextvars(request_id=request_id, model=request.model):
+            try:
+                params = parse_request(request)
+                entry = self._registry.get(params.model)
+                gen = run_generation(entry, params, received, context.time_remaining())
+                async with contextlib.aclosing(gen):
+                    async for resp in gen:
+                        yield resp
+            except SwitchyardError as e:
+                await _abort(context, e)
+            except Exception as e:
+                await _fail(context, e, request_id)
 
     async def Complete(
-        self,
-        request: generation_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext[object, object],
+        self, request: generation_pb2.GenerateRequest, context: Context
     ) -> generation_pb2.CompleteResponse:
         received = time.perf_counter()
+        request_id = _request_id(request)
         out = generation_pb2.CompleteResponse()
         texts: list[str] = []
-        try:
-            params = parse_request(request)
-            entry = self._registry.get(params.model)
-            gen = run_generation(entry, params, received, context.time_remaining())
-            async with contextlib.aclosing(gen):
-                async for resp in gen:
-                    if resp.HasField("chunk"):
-                        texts.append(resp.chunk.text)
-                        out.token_ids.extend(resp.chunk.token_ids)
-                        out.logprobs.extend(resp.chunk.logprobs)
-                    else:
-                        out.final.CopyFrom(resp.final)
-        except SwitchyardError as e:
-            await _abort(context, e)
+        with structlog.contextvars.bound_contextvars(request_id=request_id, model=request.model):
+            try:
+                params = parse_request(request)
+                entry = self._registry.get(params.model)
+                gen = run_generation(entry, params, received, context.time_remaining())
+                async with contextlib.aclosing(gen):
+                    async for resp in gen:
+                        if resp.HasField("chunk"):
+                            texts.append(resp.chunk.text)
+                            out.token_ids.extend(resp.chunk.token_ids)
+                            out.logprobs.extend(resp.chunk.logprobs)
+                        else:
+                            out.final.CopyFrom(resp.final)
+            except SwitchyardError as e:
+                await _abort(context, e)
+            except Exception as e:
+                await _fail(context, e, request_id)
         out.text = "".join(texts)
         return out
 
     async def Tokenize(
-        self,
-        request: generation_pb2.TokenizeRequest,
-        context: grpc.aio.ServicerContext[object, object],
+        self, request: generation_pb2.TokenizeRequest, context: Context
     ) -> generation_pb2.TokenizeResponse:
-        try:
-            entry = self._registry.get(request.model)
-        except SwitchyardError as e:
-            await _abort(context, e)
-        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = entry.tokenizer.encode(request.text, add_special_tokens=add_special)
-        return generation_pb2.TokenizeResponse(token_ids=ids, tokens=entry.tokenizer.tokens(ids))
+        with structlog.contextvars.bound_contextvars(model=request.model):
+            try:
+                entry = self._registry.get(request.model)
+                if len(request.text) > MAX_PROMPT_CHARS:
+                    raise InvalidArgument.one(
+                        "text", f"longer than {MAX_PROMPT_CHARS} characters ({len(request.text)})"
+                    )
+                add_special = (
+                    request.add_special_tokens if request.HasField("add_special_tokens") else True
+                )
+                ids = await encode_prompt(entry.tokenizer, request.text, add_special)
+                return generation_pb2.TokenizeResponse(
+                    token_ids=ids, tokens=entry.tokenizer.tokens(ids)
+                )
+            except SwitchyardError as e:
+                await _abort(context, e)
+            except Exception as e:
+                await _fail(context, e, "tokenize")
 
     async def ListModels(
-        self,
-        request: generation_pb2.ListModelsRequest,
-        context: grpc.aio.ServicerContext[object, object],
+        self, request: generation_pb2.ListModelsRequest, context: Context
     ) -> generation_pb2.ListModelsResponse:
         models = [
             generation_pb2.ModelInfo(

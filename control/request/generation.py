@@ -89,12 +89,14 @@ def _remaining(deadline: float | None) -> float | None:
     return budget(deadline - time.monotonic())
 
 
-async def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+async def encode_prompt(
+    tokenizer: Tokenizer, text: str, add_special_tokens: bool = True
+) -> list[int]:
     """Token ids of `text`; a long prompt is tokenized in a thread so that the event loop
     keeps serving every other stream meanwhile."""
     if len(text) <= TOKENIZE_INLINE_MAX_CHARS:
-        return tokenizer.encode(text)
-    return await asyncio.to_thread(tokenizer.encode, text)
+        return tokenizer.encode(text, add_special_tokens)
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
 
 
 async def run_generation(

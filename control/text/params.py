@@ -16,8 +16,12 @@ from switchyard.v1 import generation_pb2
 
 from control.errors import FieldViolation, InvalidArgument
 
+# Limits on what one request may ask for, checked before any work is done (README, "Limits").
+MAX_PROMPT_CHARS = 1_000_000  # prompt text; longer prompts cannot fit any served context
+MAX_PROMPT_TOKEN_IDS = 1_000_000  # prompt token ids
 MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256
+MAX_STOP_LENGTH = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_REQUEST_ID = 128
 
@@ -122,10 +126,23 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
         prompt_text = req.text
         if not prompt_text:
             v.append(FieldViolation("text", "the prompt text is empty"))
+        elif len(prompt_text) > MAX_PROMPT_CHARS:
+            v.append(
+                FieldViolation(
+                    "text", f"longer than {MAX_PROMPT_CHARS} characters ({len(prompt_text)})"
+                )
+            )
+            prompt_text = ""
     else:
-        prompt_ids = tuple(req.token_ids.ids)
-        if not prompt_ids:
+        count = len(req.token_ids.ids)
+        if not count:
             v.append(FieldViolation("token_ids.ids", "the prompt has no token ids"))
+        elif count > MAX_PROMPT_TOKEN_IDS:
+            v.append(
+                FieldViolation("token_ids.ids", f"more than {MAX_PROMPT_TOKEN_IDS} ids ({count})")
+            )
+        else:
+            prompt_ids = tuple(req.token_ids.ids)
 
     sampling = _parse_sampling(req, v)
 
@@ -143,6 +160,7 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
     stop = tuple(st.stop)
     if len(stop) > MAX_STOP_STRINGS:
         v.append(FieldViolation("stopping.stop", f"at most {MAX_STOP_STRINGS} stop strings"))
+        stop = stop[:MAX_STOP_STRINGS]  # name the first bad ones, not thousands
     for i, s in enumerate(stop):
         if not s:
             v.append(FieldViolation(f"stopping.stop[{i}]", "a stop string cannot be empty"))
@@ -150,6 +168,14 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
             v.append(
                 FieldViolation(f"stopping.stop[{i}]", f"longer than {MAX_STOP_LENGTH} characters")
             )
+
+    if len(st.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        v.append(
+            FieldViolation(
+                "stopping.stop_token_ids",
+                f"at most {MAX_STOP_TOKEN_IDS} stop token ids ({len(st.stop_token_ids)})",
+            )
+        )
 
     out = req.output
     logprobs = out.logprobs if out.HasField("logprobs") else None

@@ -18,8 +18,46 @@ class StopResult:
     stop: str | None  # the stop string that matched (generation must end), else None
 
 
+class _Automaton:
+    """Knuth-Morris-Pratt over one stop string: `state` is the length of the longest
+    suffix of the text so far that is a proper prefix of the stop, kept up to date one
+    character at a time in amortised constant work."""
+
+    __slots__ = ("fail", "state", "stop")
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.state = 0
+        fail = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            fail[i] = k
+        self.fail = fail
+
+    def feed(self, ch: str) -> bool:
+        """Advance by one character; True when the stop string is complete."""
+        stop, s = self.stop, self.state
+        while s and stop[s] != ch:
+            s = self.fail[s - 1]
+        if stop[s] == ch:
+            s += 1
+        if s == len(stop):
+            self.state = self.fail[s - 1]
+            return True
+        self.state = s
+        return False
+
+
 class StopMatcher:
-    """Finds the first stop string in a stream of text pieces."""
+    """Finds the first stop string in a stream of text pieces.
+
+    The work per piece is linear in the piece's length times the number of stop strings,
+    whatever their length: each stop string's matcher state carries over between pieces,
+    so no held-back text is scanned twice."""
 
     def __init__(self, stops: Sequence[str], *, include_stop: bool = False) -> None:
         if isinstance(stops, str):
@@ -27,11 +65,8 @@ class StopMatcher:
         if any(not stop for stop in stops):
             raise ValueError("stop strings must not be empty")
         # Longest first, so that among stops ending at the same place the longest wins.
-        self._stops = sorted(set(stops), key=len, reverse=True)
+        self._automata = [_Automaton(stop) for stop in sorted(set(stops), key=len, reverse=True)]
         self._include_stop = include_stop
-        self._max_held = max((len(stop) for stop in self._stops), default=1) - 1
-        # Every proper prefix of a stop string: the tails worth holding back.
-        self._prefixes = {stop[:n] for stop in self._stops for n in range(1, len(stop))}
         self._held = ""
         self._stopped = False
 
@@ -39,38 +74,30 @@ class StopMatcher:
         """Feed the next piece; return what can be emitted, and the stop if one matched."""
         if self._stopped:
             raise RuntimeError("StopMatcher.push called after a stop string matched")
-        if not self._stops:
+        automata = self._automata
+        if not automata:
             return StopResult(text, None)
-        buf = self._held + text
-        match = self._first_match(buf)
-        if match is not None:
-            start, stop = match
-            self._stopped = True
-            self._held = ""
-            end = start + len(stop) if self._include_stop else start
-            return StopResult(buf[:end], stop)
-        keep = self._held_length(buf)
-        self._held = buf[len(buf) - keep :]
+        held = self._held
+        for j, ch in enumerate(text):
+            matched: str | None = None
+            for a in automata:
+                if a.feed(ch) and matched is None:
+                    matched = a.stop  # the longest of those ending here
+            if matched is not None:
+                self._stopped = True
+                self._held = ""
+                buf = held + text
+                end = len(held) + j + 1
+                start = end - len(matched)
+                return StopResult(buf[: end if self._include_stop else start], matched)
+        buf = held + text
+        keep = max(a.state for a in automata)
+        self._held = buf[len(buf) - keep :] if keep else ""
         return StopResult(buf[: len(buf) - keep], None)
 
     def flush(self) -> str:
         """End of stream with no match: return the held-back tail."""
         held, self._held = self._held, ""
+        for a in self._automata:
+            a.state = 0
         return held
-
-    def _first_match(self, buf: str) -> tuple[int, str] | None:
-        """The stop completed first in `buf` (earliest end; then the longest)."""
-        best: tuple[int, str] | None = None
-        best_end = len(buf) + 1
-        for stop in self._stops:
-            start = buf.find(stop, 0, min(best_end - 1, len(buf)))
-            if start >= 0 and start + len(stop) < best_end:
-                best, best_end = (start, stop), start + len(stop)
-        return best
-
-    def _held_length(self, buf: str) -> int:
-        """Length of the longest tail of `buf` that is a proper prefix of a stop."""
-        for n in range(min(self._max_held, len(buf)), 0, -1):
-            if buf[len(buf) - n :] in self._prefixes:
-                return n
-        return 0

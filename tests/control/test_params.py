@@ -119,3 +119,18 @@ def test_rich_status_carries_bad_request() -> None:
     bad = error_details_pb2.BadRequest()
     assert status.details[0].Unpack(bad)
     assert bad.field_violations[0].field == "sampling.top_p"
+
+
+def test_documented_size_limits_name_the_field() -> None:
+    from control.text.params import MAX_PROMPT_CHARS, MAX_PROMPT_TOKEN_IDS, MAX_STOP_TOKEN_IDS
+
+    assert fields_of(req(text="x" * (MAX_PROMPT_CHARS + 1))) == ["text"]
+    ids = generation_pb2.TokenIds(ids=[1] * (MAX_PROMPT_TOKEN_IDS + 1))
+    assert fields_of(req(text=None, token_ids=ids)) == ["token_ids.ids"]
+    many_ids = generation_pb2.StoppingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1)))
+    assert fields_of(req(stopping=many_ids)) == ["stopping.stop_token_ids"]
+    # Ten thousand empty stop strings: one violation for the count and the first few
+    # named, not ten thousand.
+    many_stops = generation_pb2.StoppingParams(stop=[""] * 10_000)
+    names = fields_of(req(stopping=many_stops))
+    assert names[0] == "stopping.stop" and len(names) <= 17
