@@ -192,10 +192,15 @@ class _Run:
                     raise NoHealthyWorker(
                         f"{e}; the stream stopped after {len(self.generated)} tokens"
                     ) from e
+                # Nobody left to try: the client hears what went wrong, not just that.
                 if last_failure is not None and last_failure.kind is FailureKind.OVERLOADED:
                     raise Overloaded(
                         f"model {self.entry.name!r}: every worker is full ({e})",
                         last_failure.retry_after_s or 1.0,
+                    ) from e
+                if last_failure is not None and last_failure.kind is FailureKind.ENGINE:
+                    raise WorkerFailed(
+                        last_failure.worker, f"{last_failure.message}; {e}"
                     ) from e
                 raise
             self.final.worker = worker.address

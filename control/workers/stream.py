@@ -100,6 +100,7 @@ class StreamCall:
                 _STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN),
                 error.message,
                 tuple(_violations(error)),
+                error.retry_after_ms / 1000.0 if error.retry_after_ms else None,
             )
         return event
 

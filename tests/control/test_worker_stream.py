@@ -1,0 +1,196 @@
+"""The control plane's side of GenerateStream against a scripted worker stream: attempts
+keyed by ids of its own, a writer that fails, a reader that falls behind, and shutdown
+that does not swallow its caller's cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from switchyard.worker.v1 import worker_pb2
+
+from control.workers.call import FailureKind, WorkerCallFailed
+from control.workers.client import WorkerClient
+from control.workers.stream import StreamSession
+
+DEADLINE_S = 5.0
+
+
+class ScriptedCall:
+    """A bidi call whose server side the test plays: `send()` puts a StreamResponse on
+    the wire, `written` is what the session wrote."""
+
+    def __init__(self, fail_writes: bool = False) -> None:
+        self.written: list[worker_pb2.StreamRequest] = []
+        self.fail_writes = fail_writes
+        self.cancelled = False
+        self.delivered = 0  # responses the session has read
+        self._inbox: asyncio.Queue[worker_pb2.StreamResponse | None] = asyncio.Queue()
+        self._wrote = asyncio.Event()
+
+    async def write(self, message: worker_pb2.StreamRequest) -> None:
+        if self.fail_writes:
+            raise RuntimeError("the transport refused the write")
+        self.written.append(message)
+        self._wrote.set()
+
+    def send(self, *events: worker_pb2.StreamEvent) -> None:
+        self._inbox.put_nowait(worker_pb2.StreamResponse(events=events))
+
+    def __aiter__(self) -> AsyncIterator[worker_pb2.StreamResponse]:
+        return self._responses()
+
+    async def _responses(self) -> AsyncIterator[worker_pb2.StreamResponse]:
+        while True:
+            message = await self._inbox.get()
+            if message is None:
+                return
+            self.delivered += 1
+            yield message
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+    async def next_write(self) -> worker_pb2.StreamRequest:
+        async with asyncio.timeout(DEADLINE_S):
+            while not self.written:
+                self._wrote.clear()
+                await self._wrote.wait()
+        return self.written.pop(0)
+
+
+class Stub:
+    def __init__(self, call: ScriptedCall) -> None:
+        self.call = call
+
+    def GenerateStream(self) -> ScriptedCall:
+        return self.call
+
+
+def chunk(attempt: int, *ids: int) -> worker_pb2.StreamEvent:
+    return worker_pb2.StreamEvent(attempt_id=attempt, chunk=worker_pb2.Chunk(token_ids=ids))
+
+
+def final(attempt: int) -> worker_pb2.StreamEvent:
+    return worker_pb2.StreamEvent(attempt_id=attempt, final=worker_pb2.Final())
+
+
+def request(request_id: str = "r") -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=[1], max_tokens=4)
+
+
+async def drain(call: Any) -> list[Any]:
+    async with asyncio.timeout(DEADLINE_S):
+        return [event async for event in call]
+
+
+async def test_a_retry_with_the_same_request_id_never_sees_the_old_attempts_events() -> None:
+    wire = ScriptedCall()
+    session = StreamSession(Stub(wire), "w:1")
+    first = session.open(request("same"), None)
+    sent = await wire.next_write()
+    first.cancel()
+    second = session.open(request("same"), None)
+    cancel_then_start = await wire.next_write()
+    (old_start,) = sent.start
+    (new_start,) = cancel_then_start.start
+    assert list(cancel_then_start.cancel) == [old_start.attempt_id]
+    assert new_start.attempt_id != old_start.attempt_id
+    # The worker had queued tokens of the old attempt: they go nowhere.
+    wire.send(
+        chunk(old_start.attempt_id, 7, 7),
+        chunk(new_start.attempt_id, 1),
+        final(old_start.attempt_id),
+    )
+    wire.send(final(new_start.attempt_id))
+    events = await drain(second)
+    assert [list(e.chunk.token_ids) for e in events if e.HasField("chunk")] == [[1]]
+
+
+async def test_a_cancel_before_the_start_is_sent_takes_the_start_back() -> None:
+    wire = ScriptedCall()
+    session = StreamSession(Stub(wire), "w:1")
+    kept = session.open(request("kept"), None)
+    dropped = session.open(request("dropped"), None)
+    dropped.cancel()  # before the writer ran: neither its start nor a cancel go out
+    message = await wire.next_write()
+    assert [s.request_id for s in message.start] == ["kept"] and not message.cancel
+    wire.send(final(kept.attempt_id))
+    await drain(kept)
+
+
+async def test_a_failed_write_fails_every_open_attempt_at_once() -> None:
+    wire = ScriptedCall(fail_writes=True)
+    session = StreamSession(Stub(wire), "w:1")
+    call = session.open(request(), None)  # no deadline: before the fix this waited forever
+    with pytest.raises(WorkerCallFailed) as failed:
+        await drain(call)
+    assert failed.value.kind is FailureKind.LOST and "write" in failed.value.message
+    assert wire.cancelled and session.open_calls == 0
+
+
+async def test_a_reader_that_falls_behind_holds_the_stream_then_loses_its_request() -> None:
+    wire = ScriptedCall()
+    session = StreamSession(Stub(wire), "w:1", max_buffered_tokens=8, slow_reader_grace_s=0.3)
+    slow = session.open(request("slow"), None)
+    other = session.open(request("other"), None)
+    await wire.next_write()
+    for _ in range(50):
+        wire.send(chunk(slow.attempt_id, 1, 2, 3, 4))
+    wire.send(chunk(other.attempt_id, 5), final(other.attempt_id))
+    # The session stops reading once `slow` has more than 8 tokens unread: the rest stays
+    # with the transport (and so with the worker).
+    async with asyncio.timeout(DEADLINE_S):
+        while wire.delivered < 3:
+            await asyncio.sleep(0.01)
+    assert wire.delivered == 3
+    cancel = await wire.next_write()  # after the grace: the worker is told to stop
+    assert list(cancel.cancel) == [slow.attempt_id]
+    with pytest.raises(WorkerCallFailed) as failed:
+        await drain(slow)
+    assert failed.value.kind is FailureKind.SLOW_READER
+    # The stream reads on for everyone else.
+    events = await drain(other)
+    assert events[-1].HasField("final")
+
+
+async def test_closing_a_worker_client_does_not_swallow_its_callers_cancellation() -> None:
+    client = WorkerClient("127.0.0.1:1")
+    client.start_watching()
+    await asyncio.sleep(0)
+    closing = asyncio.create_task(client.close())
+    await asyncio.sleep(0)  # close() is now waiting for its watchers
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    await client.channel.close(None)
+
+
+async def test_a_workers_field_violations_reach_the_client_by_their_public_names() -> None:
+    from switchyard.v1 import generation_pb2
+
+    from control.errors import InvalidArgument
+    from control.request.generation import _client_error
+    from control.text.params import parse_request
+
+    wire = ScriptedCall()
+    session = StreamSession(Stub(wire), "w:1")
+    call = session.open(request(), None)
+    await wire.next_write()
+    error = worker_pb2.StreamError(
+        code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+        message="max_tokens: too many",
+        field_violations=[worker_pb2.FieldViolation(field="max_tokens", description="too many")],
+    )
+    wire.send(worker_pb2.StreamEvent(attempt_id=call.attempt_id, error=error))
+    with pytest.raises(WorkerCallFailed) as failed:
+        await drain(call)
+    assert failed.value.kind is FailureKind.REJECTED
+    params = parse_request(generation_pb2.GenerateRequest(model="m", text="hi"))
+    client_error = _client_error(failed.value, params)
+    assert isinstance(client_error, InvalidArgument)
+    assert [v.field for v in client_error.violations] == ["stopping.max_tokens"]
