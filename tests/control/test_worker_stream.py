@@ -30,6 +30,7 @@ class ScriptedCall:
         self.delivered = 0  # responses the session has read
         self._inbox: asyncio.Queue[worker_pb2.StreamResponse | None] = asyncio.Queue()
         self._wrote = asyncio.Event()
+        self._read = asyncio.Event()
 
     async def write(self, message: worker_pb2.StreamRequest) -> None:
         if self.fail_writes:
@@ -49,11 +50,18 @@ class ScriptedCall:
             if message is None:
                 return
             self.delivered += 1
+            self._read.set()
             yield message
 
     def cancel(self) -> bool:
         self.cancelled = True
         return True
+
+    async def delivered_at_least(self, n: int) -> None:
+        async with asyncio.timeout(DEADLINE_S):
+            while self.delivered < n:
+                self._read.clear()
+                await self._read.wait()
 
     async def next_write(self) -> worker_pb2.StreamRequest:
         async with asyncio.timeout(DEADLINE_S):
@@ -133,7 +141,27 @@ async def test_a_failed_write_fails_every_open_attempt_at_once() -> None:
     assert wire.cancelled and session.open_calls == 0
 
 
-async def test_a_reader_that_falls_behind_holds_the_stream_then_loses_its_request() -> None:
+async def test_a_reader_that_falls_behind_holds_the_stream_until_it_catches_up() -> None:
+    wire = ScriptedCall()
+    session = StreamSession(Stub(wire), "w:1", max_buffered_tokens=8, slow_reader_grace_s=60)
+    slow = session.open(request("slow"), None)
+    await wire.next_write()
+    for _ in range(50):
+        wire.send(chunk(slow.attempt_id, 1, 2, 3, 4))
+    wire.send(final(slow.attempt_id))
+    # All 51 messages wait in the transport. The session stops reading once `slow` has
+    # more than 8 tokens unread (after the third): the rest stays with the worker.
+    await wire.delivered_at_least(3)
+    assert wire.delivered == 3
+    # Reading lets the stream go on, and every token arrives, in order.
+    tokens: list[int] = []
+    async with asyncio.timeout(DEADLINE_S):
+        async for event in slow:
+            tokens += event.chunk.token_ids
+    assert tokens == [1, 2, 3, 4] * 50 and wire.delivered == 51
+
+
+async def test_a_reader_that_stays_behind_loses_its_request_and_the_stream_reads_on() -> None:
     wire = ScriptedCall()
     session = StreamSession(Stub(wire), "w:1", max_buffered_tokens=8, slow_reader_grace_s=0.3)
     slow = session.open(request("slow"), None)
@@ -142,18 +170,11 @@ async def test_a_reader_that_falls_behind_holds_the_stream_then_loses_its_reques
     for _ in range(50):
         wire.send(chunk(slow.attempt_id, 1, 2, 3, 4))
     wire.send(chunk(other.attempt_id, 5), final(other.attempt_id))
-    # The session stops reading once `slow` has more than 8 tokens unread: the rest stays
-    # with the transport (and so with the worker).
-    async with asyncio.timeout(DEADLINE_S):
-        while wire.delivered < 3:
-            await asyncio.sleep(0.01)
-    assert wire.delivered == 3
     cancel = await wire.next_write()  # after the grace: the worker is told to stop
     assert list(cancel.cancel) == [slow.attempt_id]
     with pytest.raises(WorkerCallFailed) as failed:
         await drain(slow)
     assert failed.value.kind is FailureKind.SLOW_READER
-    # The stream reads on for everyone else.
     events = await drain(other)
     assert events[-1].HasField("final")
 
