@@ -315,6 +315,7 @@ class Generations:
             kv_blocks_used=used,
             kv_blocks_free=total - used,
             generation_tokens_per_s=self._rate.rate(),
+            in_flight=in_flight,
             timestamp_s=time.time(),
         )
 

@@ -17,9 +17,25 @@ void Dispatcher::stop() {
   if (thread_.joinable() && std::this_thread::get_id() != thread_.get_id()) thread_.join();
 }
 
+bool Dispatcher::reserve(const std::string& name) {
+  if (name.empty()) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  return names_.emplace(name, kReserved).second;
+}
+
+void Dispatcher::release(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = names_.find(name);
+  if (it != names_.end() && it->second == kReserved) names_.erase(it);
+}
+
 bool Dispatcher::add(RequestId id, const std::string& name, std::shared_ptr<StreamSink> sink) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!name.empty() && names_.count(name)) return false;
+  if (!name.empty()) {
+    auto taken = names_.find(name);
+    if (taken != names_.end() && taken->second != kReserved) return false;
+    if (taken != names_.end()) names_.erase(taken);  // our own reservation
+  }
   bool finished = false;
   auto parked = parked_.find(id);
   if (parked != parked_.end()) {
@@ -47,7 +63,7 @@ void Dispatcher::remove(RequestId id) {
 std::optional<RequestId> Dispatcher::find(const std::string& name) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = names_.find(name);
-  if (it == names_.end()) return std::nullopt;
+  if (it == names_.end() || it->second == kReserved) return std::nullopt;
   return it->second;
 }
 

@@ -34,8 +34,15 @@ class Dispatcher {
   Dispatcher(const Dispatcher&) = delete;
   Dispatcher& operator=(const Dispatcher&) = delete;
 
-  // Registers the stream of `id`; `name` is the client's request id (for Abort).
-  // Returns false when `name` is already in flight.
+  // Claims the client's request id `name` for a request about to be enqueued, so that a
+  // second request with it is refused before it reaches the engine. Returns false when
+  // `name` is reserved or in flight. The claim ends with add() (or release() when the
+  // enqueue failed). Empty names are not tracked.
+  bool reserve(const std::string& name);
+  void release(const std::string& name);
+  // Registers the stream of `id`; `name` is the client's request id (for Abort), empty for
+  // none. Returns false when `name` is in flight for another request (a name reserved
+  // with reserve() is taken over).
   bool add(RequestId id, const std::string& name, std::shared_ptr<StreamSink> sink);
   void remove(RequestId id);
   // The executor id of an in-flight request by its client name.
@@ -44,6 +51,7 @@ class Dispatcher {
   void stop();
 
  private:
+  static constexpr RequestId kReserved = 0;
   struct Entry {
     std::shared_ptr<StreamSink> sink;
     std::string name;
@@ -58,7 +66,7 @@ class Dispatcher {
   const std::chrono::milliseconds poll_;
   mutable std::mutex mu_;
   std::unordered_map<RequestId, Entry> streams_;
-  std::unordered_map<std::string, RequestId> names_;
+  std::unordered_map<std::string, RequestId> names_;  // kReserved: enqueue in progress
   std::unordered_map<RequestId, Parked> parked_;
   // Streams that went away before their final: their later responses are dropped.
   std::unordered_set<RequestId> dropped_;

@@ -95,11 +95,14 @@ struct EngineInfo {
 class InvalidRequest : public std::invalid_argument {
  public:
   InvalidRequest(std::string field, const std::string& message)
-      : std::invalid_argument(field + ": " + message), field_(std::move(field)) {}
+      : std::invalid_argument(field + ": " + message), field_(std::move(field)),
+        message_(message) {}
   const std::string& field() const { return field_; }
+  const std::string& message() const { return message_; }  // what() without the field
 
  private:
   std::string field_;
+  std::string message_;
 };
 
 class Executor {

@@ -156,11 +156,15 @@ int main(int argc, char** argv) {
     grpc::ServerBuilder builder;
     int bound_port = 0;
     builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &bound_port);
+    // gRPC sets SO_REUSEPORT by default: a second worker on the same port would then listen
+    // too, and the kernel would split the connections between them. One port, one worker.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.RegisterService(&service);
     builder.SetMaxReceiveMessageSize(64 * 1024 * 1024);
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
     if (!server || bound_port == 0) {
-      std::cerr << "switchyard-cpp-worker: cannot listen on " << address << "\n";
+      std::cerr << "switchyard-cpp-worker: cannot listen on " << address
+                << ": port in use (or not permitted)" << std::endl;
       return 1;
     }
     auto* health = server->GetHealthCheckService();

@@ -5,6 +5,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -18,16 +19,18 @@ constexpr double kDeadlineMarginMs = 20.0;  // as for Generate: TIME_LIMIT arriv
 
 class StreamSession;
 
+using AttemptId = std::uint64_t;
+
 // What the dispatcher holds for one request: a weak link to its session.
 class SessionSink final : public StreamSink {
  public:
-  SessionSink(std::weak_ptr<StreamSession> session, std::string name)
-      : session_(std::move(session)), name_(std::move(name)) {}
+  SessionSink(std::weak_ptr<StreamSession> session, AttemptId attempt)
+      : session_(std::move(session)), attempt_(attempt) {}
   void on_response(GenResponse&& response) override;
 
  private:
   std::weak_ptr<StreamSession> session_;
-  const std::string name_;
+  const AttemptId attempt_;
 };
 
 class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, wv1::StreamResponse>,
@@ -54,8 +57,12 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
       std::lock_guard<std::mutex> lock(mu_);
       if (finished_) return;  // cancelled meanwhile: start nothing, read no more
     }
-    for (const auto& request : in_.start()) start_request(request);
-    for (const auto& name : in_.cancel()) cancel_request(name);
+    // Cancels first: a start that the same message cancels is never started.
+    const std::unordered_set<AttemptId> cancels(in_.cancel().begin(), in_.cancel().end());
+    for (AttemptId attempt : cancels) cancel_request(attempt);
+    for (const auto& request : in_.start()) {
+      if (!cancels.count(request.attempt_id())) start_request(request);
+    }
     {
       std::unique_lock<std::mutex> lock(mu_);  // send the error events, if any
       if (!write_in_flight_) write_next_locked(lock);
@@ -94,9 +101,9 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
   }
 
   // Dispatcher thread.
-  void on_response(const std::string& name, GenResponse&& r) {
+  void on_response(AttemptId attempt, GenResponse&& r) {
     std::unique_lock<std::mutex> lock(mu_);
-    auto it = requests_.find(name);
+    auto it = requests_.find(attempt);
     if (it == requests_.end() || it->second.id != r.id) return;  // cancelled meanwhile
     Request& req = it->second;
     if (!r.tokens.empty()) {
@@ -106,25 +113,25 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
       }
       req.last_token = r.tokens.back();
       req.completion_tokens += static_cast<std::int32_t>(r.tokens.size());
-      auto open = open_chunks_.find(name);
+      auto open = open_chunks_.find(attempt);
       wv1::Chunk* chunk;
       if (open != open_chunks_.end()) {
         chunk = pending_.mutable_events(open->second)->mutable_chunk();
       } else {
-        open_chunks_.emplace(name, pending_.events_size());
+        open_chunks_.emplace(attempt, pending_.events_size());
         auto* event = pending_.add_events();
-        event->set_request_id(name);
+        event->set_attempt_id(attempt);
         chunk = event->mutable_chunk();
       }
       append_chunk(r, chunk);
     }
     if (r.is_final) {
       auto* event = pending_.add_events();
-      event->set_request_id(name);
+      event->set_attempt_id(attempt);
       auto* final = event->mutable_final();
       fill_final(r, req.completion_tokens, req.last_token, info_.eos_token_ids, final);
       final->set_time_to_first_token_ms(req.first_token_ms < 0 ? 0 : req.first_token_ms);
-      open_chunks_.erase(name);
+      open_chunks_.erase(attempt);
       requests_.erase(it);
       live_.fetch_sub(1);
     }
@@ -133,21 +140,35 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
 
  private:
   struct Request {
-    RequestId id = 0;
+    RequestId id = 0;  // the executor's; 0 while the enqueue is under way
     Clock::time_point started;
     std::int32_t completion_tokens = 0;
     std::optional<TokenId> last_token;
     double first_token_ms = -1;
   };
 
+  // Read side only (one OnReadDone at a time), so an attempt is started by one thread.
   void start_request(const wv1::GenerateRequest& request) {
-    const std::string& name = request.request_id();
-    if (name.empty()) {
-      return error(name, grpc::StatusCode::INVALID_ARGUMENT,
-                   "request_id: required on GenerateStream");
+    const AttemptId attempt = request.attempt_id();
+    if (attempt == 0) {
+      return error(attempt, grpc::StatusCode::INVALID_ARGUMENT,
+                   {"attempt_id", "required (nonzero) on GenerateStream"});
+    }
+    {
+      // The attempt's slot, taken before the engine sees anything: a duplicate is refused
+      // without touching the engine or the attempt already open.
+      std::lock_guard<std::mutex> lock(mu_);
+      auto [it, fresh] = requests_.try_emplace(attempt);
+      if (!fresh) {
+        return error_locked(
+            attempt, grpc::StatusCode::ALREADY_EXISTS,
+            {"attempt_id", std::to_string(attempt) + " is already open on this stream"});
+      }
+      it->second.started = Clock::now();
+      live_.fetch_add(1);
     }
     if (draining_.load()) {
-      return error(name, grpc::StatusCode::UNAVAILABLE, "the worker is draining");
+      return refuse(attempt, grpc::StatusCode::UNAVAILABLE, {"", "the worker is draining"});
     }
     double deadline_ms = -1;
     if (request.timeout_ms() > 0) {
@@ -157,49 +178,50 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
     GenRequest gen;
     FieldError bad;
     if (!to_gen_request(request, info_, deadline_ms, &gen, &bad)) {
-      return error(name, grpc::StatusCode::INVALID_ARGUMENT, bad.field + ": " + bad.message);
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (requests_.count(name)) {
-        return error_locked(name, grpc::StatusCode::ALREADY_EXISTS,
-                            "request_id " + name + " is already on this stream");
-      }
+      return refuse(attempt, grpc::StatusCode::INVALID_ARGUMENT, bad);
     }
     RequestId id = 0;
     try {
       id = executor_.enqueue(gen);  // no lock held
     } catch (const InvalidRequest& e) {
-      return error(name, grpc::StatusCode::INVALID_ARGUMENT, e.what());
+      return refuse(attempt, grpc::StatusCode::INVALID_ARGUMENT, {e.field(), e.message()});
     } catch (const std::exception& e) {
-      return error(name, grpc::StatusCode::UNAVAILABLE, std::string("engine: ") + e.what());
+      return refuse(attempt, grpc::StatusCode::UNAVAILABLE,
+                    {"", std::string("engine: ") + e.what()});
     }
+    bool gone = false;
     {
       // Known before the dispatcher can deliver: its responses wait (parked) until add().
       std::lock_guard<std::mutex> lock(mu_);
-      Request& req = requests_[name];
-      req.id = id;
-      req.started = Clock::now();
-      live_.fetch_add(1);
+      auto it = requests_.find(attempt);
+      gone = it == requests_.end();  // the call was cancelled during the enqueue
+      if (!gone) it->second.id = id;
     }
-    if (!dispatcher_.add(id, name, std::make_shared<SessionSink>(weak_from_this(), name))) {
+    if (gone) {
       cancel_quietly(id);
-      std::lock_guard<std::mutex> lock(mu_);
-      if (requests_.erase(name)) live_.fetch_sub(1);
-      error_locked(name, grpc::StatusCode::ALREADY_EXISTS,
-                   "request_id " + name + " is already in flight");
+      return;
     }
+    // No name: on this stream request_id is for logs only and need not be unique, so the
+    // attempt is cancelled through the stream, not through Abort.
+    dispatcher_.add(id, std::string(), std::make_shared<SessionSink>(weak_from_this(), attempt));
   }
 
-  void cancel_request(const std::string& name) {
+  // Gives up the slot taken by start_request and sends the error event.
+  void refuse(AttemptId attempt, grpc::StatusCode code, const FieldError& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (requests_.erase(attempt)) live_.fetch_sub(1);
+    error_locked(attempt, code, why);
+  }
+
+  void cancel_request(AttemptId attempt) {
     RequestId id = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = requests_.find(name);
-      if (it == requests_.end()) return;
+      auto it = requests_.find(attempt);
+      if (it == requests_.end()) return;  // unknown or over: nothing to do
       id = it->second.id;
       requests_.erase(it);
-      open_chunks_.erase(name);  // what is pending still goes out; nothing after it
+      open_chunks_.erase(attempt);  // what is pending still goes out; nothing after it
       live_.fetch_sub(1);
     }
     abandon({id});
@@ -207,7 +229,9 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
 
   std::vector<RequestId> take_all_locked() {
     std::vector<RequestId> ids;
-    for (const auto& [name, req] : requests_) ids.push_back(req.id);
+    for (const auto& [attempt, req] : requests_) {
+      if (req.id != 0) ids.push_back(req.id);  // 0: its start cancels it when enqueue returns
+    }
     live_.fetch_sub(static_cast<int>(requests_.size()));
     requests_.clear();
     open_chunks_.clear();
@@ -229,16 +253,25 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
     }
   }
 
-  void error(const std::string& name, grpc::StatusCode code, const std::string& message) {
+  void error(AttemptId attempt, grpc::StatusCode code, const FieldError& why) {
     std::lock_guard<std::mutex> lock(mu_);
-    error_locked(name, code, message);
+    error_locked(attempt, code, why);
   }
 
-  void error_locked(const std::string& name, grpc::StatusCode code, const std::string& message) {
+  // An error event; `why.field` (when set) names the field, as a BadRequest violation.
+  void error_locked(AttemptId attempt, grpc::StatusCode code, const FieldError& why) {
     auto* event = pending_.add_events();
-    event->set_request_id(name);
-    event->mutable_error()->set_code(static_cast<std::uint32_t>(code));
-    event->mutable_error()->set_message(message);
+    event->set_attempt_id(attempt);
+    auto* error = event->mutable_error();
+    error->set_code(static_cast<std::uint32_t>(code));
+    if (why.field.empty()) {
+      error->set_message(why.message);
+      return;
+    }
+    error->set_message(why.field + ": " + why.message);
+    auto* violation = error->add_field_violations();
+    violation->set_field(why.field);
+    violation->set_description(why.message);
   }
 
   // Chooses the next action with `mu_` held, then releases it before calling gRPC.
@@ -275,8 +308,8 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
   wv1::StreamRequest in_;                // touched by the read side only
 
   std::mutex mu_;
-  std::unordered_map<std::string, Request> requests_;
-  std::unordered_map<std::string, int> open_chunks_;  // name -> its event in pending_
+  std::unordered_map<AttemptId, Request> requests_;
+  std::unordered_map<AttemptId, int> open_chunks_;  // attempt -> its event in pending_
   wv1::StreamResponse pending_;
   wv1::StreamResponse out_;  // the message being written
   bool write_in_flight_ = false;
@@ -286,7 +319,7 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
 };
 
 void SessionSink::on_response(GenResponse&& response) {
-  if (auto session = session_.lock()) session->on_response(name_, std::move(response));
+  if (auto session = session_.lock()) session->on_response(attempt_, std::move(response));
 }
 
 }  // namespace

@@ -1,10 +1,13 @@
 // GenerateStream: many requests over one bidirectional stream.
 //
-// Starts and cancels arrive on the read side. The dispatcher thread hands each engine
-// response to the session, which folds it into the pending StreamResponse (a request's
-// consecutive chunks merge into one event). Exactly one write is in flight; everything
-// that arrives meanwhile goes out in the next message, so one message carries the news of
-// every request that has some. Cancelling the call cancels every request on it.
+// Starts and cancels arrive on the read side, each attempt keyed by the attempt id the
+// caller assigns (unique on the stream; request_id is for logs only). A message's cancels
+// are handled before its starts, and a start the same message cancels is never started.
+// The dispatcher thread hands each engine response to the session, which folds it into
+// the pending StreamResponse (an attempt's consecutive chunks merge into one event).
+// Exactly one write is in flight; everything that arrives meanwhile goes out in the next
+// message, so one message carries the news of every request that has some. Cancelling
+// the call cancels every request on it.
 #pragma once
 
 #include <atomic>

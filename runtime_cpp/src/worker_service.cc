@@ -51,21 +51,24 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
     }
     name_ = req.request_id();
     eos_ids_ = info.eos_token_ids;
-    try {
-      id_ = executor_.enqueue(gen);  // no lock held
-    } catch (const InvalidRequest& e) {
-      finish_now(invalid_argument(e.field(), e.what()));
-      return;
-    } catch (const std::exception& e) {
-      finish_now(grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string("engine: ") + e.what()));
-      return;
-    }
-    if (!dispatcher_.add(id_, name_, self_)) {
-      cancel_quietly();
+    // Claim the id before the engine sees anything: a duplicate costs it nothing.
+    if (!dispatcher_.reserve(name_)) {
       finish_now(grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
                               "request_id " + name_ + " is already in flight"));
       return;
     }
+    try {
+      id_ = executor_.enqueue(gen);  // no lock held
+    } catch (const InvalidRequest& e) {
+      dispatcher_.release(name_);
+      finish_now(invalid_argument(e.field(), e.message()));
+      return;
+    } catch (const std::exception& e) {
+      dispatcher_.release(name_);
+      finish_now(grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string("engine: ") + e.what()));
+      return;
+    }
+    dispatcher_.add(id_, name_, self_);  // cannot fail: the name is ours
     enqueued_.store(true);
   }
 
@@ -76,6 +79,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
 
   // Dispatcher thread: coalesce, and start a write if none is in flight.
   void on_response(GenResponse&& r) override {
+    if (r.is_final) request_over_.store(true);
     std::unique_lock<std::mutex> lock(mu_);
     if (finished_) return;
     if (first_token_ms_ < 0 && !r.tokens.empty()) first_token_ms_ = ms_since(started_);
@@ -89,22 +93,22 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
   }
 
   void OnWriteDone(bool ok) override {
+    if (!ok) cancel_engine_request();  // the client is gone; no lock held
     std::unique_lock<std::mutex> lock(mu_);
     write_in_flight_ = false;
-    if (!ok) {  // the client is gone
-      cancelled_ = true;
-    }
+    if (!ok) cancelled_ = true;
     write_next_locked(lock);
   }
 
   void OnCancel() override {
-    if (enqueued_.load()) cancel_quietly();  // at once; no lock held
+    cancel_engine_request();  // at once; no lock held
     std::unique_lock<std::mutex> lock(mu_);
     cancelled_ = true;
     if (!write_in_flight_) write_next_locked(lock);
   }
 
   void OnDone() override {
+    cancel_engine_request();  // the stream ended before its request did
     if (enqueued_.load()) dispatcher_.remove(id_);
     live_.fetch_sub(1);
     std::shared_ptr<GenerateReactor> keep;
@@ -146,7 +150,10 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
     StartWrite(&out_);
   }
 
-  void cancel_quietly() {
+  // Cancels the engine request unless it finished (or was cancelled) already: once, from
+  // whichever of OnCancel, OnWriteDone(!ok) and OnDone comes first.
+  void cancel_engine_request() {
+    if (!enqueued_.load() || request_over_.load() || cancel_sent_.exchange(true)) return;
     try {
       executor_.cancel(id_);
     } catch (const std::exception&) {
@@ -170,6 +177,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
   RequestId id_ = 0;
   std::string name_;
   std::atomic<bool> enqueued_{false};
+  std::atomic<bool> request_over_{false};  // its final reached this stream
+  std::atomic<bool> cancel_sent_{false};
 
   std::mutex mu_;
   wv1::GenerateResponse pending_;  // coalesced tokens not yet written
@@ -363,6 +372,7 @@ WorkerService::~WorkerService() {
 void WorkerService::fill_load(wv1::LoadReport* report) {
   report->Clear();
   const auto in_flight = static_cast<std::int32_t>(dispatcher_.in_flight());
+  report->set_in_flight(static_cast<std::uint32_t>(in_flight));
   if (auto s = executor_.latest_stats()) {
     // Iteration stats lag a request that just ended; never report more than is in flight.
     const auto running = std::min(s->active_requests, in_flight);

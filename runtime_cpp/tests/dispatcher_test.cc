@@ -73,5 +73,26 @@ TEST(Dispatcher, NamesAreUniqueWhileInFlight) {
   EXPECT_FALSE(d.find("same"));
 }
 
+TEST(Dispatcher, AReservedNameIsRefusedUntilReleasedOrOver) {
+  SimExecutor sim(fast());
+  Dispatcher d(sim);
+  ASSERT_TRUE(d.reserve("r"));
+  EXPECT_FALSE(d.reserve("r"));  // a second request with it never reaches the engine
+  EXPECT_FALSE(d.find("r"));     // not in flight yet: Abort finds nothing
+  d.release("r");
+  ASSERT_TRUE(d.reserve("r"));
+  GenRequest r;
+  r.prompt = {1};
+  r.max_tokens = 3;
+  auto id = sim.enqueue(r);
+  auto sink = std::make_shared<Collect>();
+  ASSERT_TRUE(d.add(id, "r", sink));  // takes over its reservation
+  EXPECT_FALSE(d.reserve("r"));
+  ASSERT_TRUE(sink->wait_final());
+  EXPECT_TRUE(d.reserve("r"));  // free again once the request is over
+  EXPECT_TRUE(d.reserve(""));   // empty names are not tracked
+  EXPECT_TRUE(d.reserve(""));
+}
+
 }  // namespace
 }  // namespace switchyard::rt

@@ -2,7 +2,10 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <functional>
 #include <map>
+#include <set>
 #include <thread>
 
 #include "dispatcher.h"
@@ -16,12 +19,52 @@ namespace {
 
 using wv1::Worker;
 
+// The simulator behind a counter of the calls the server makes, so a test can tell that a
+// request never reached the engine, or was cancelled exactly once.
+class CountingExecutor final : public Executor {
+ public:
+  explicit CountingExecutor(Executor& inner) : inner_(inner) {}
+  RequestId enqueue(const GenRequest& request) override {
+    enqueues.fetch_add(1);
+    return inner_.enqueue(request);
+  }
+  std::vector<GenResponse> await_responses(std::chrono::milliseconds timeout) override {
+    return inner_.await_responses(timeout);
+  }
+  void cancel(RequestId id) override {
+    cancels.fetch_add(1);
+    inner_.cancel(id);
+  }
+  std::optional<IterationStats> latest_stats() override { return inner_.latest_stats(); }
+  bool can_enqueue() const override { return inner_.can_enqueue(); }
+  EngineInfo info() const override { return inner_.info(); }
+  void shutdown() override { inner_.shutdown(); }
+
+  std::atomic<int> enqueues{0};
+  std::atomic<int> cancels{0};
+
+ private:
+  Executor& inner_;
+};
+
+// Polls `done` until it holds or `within` has passed; returns its last value.
+bool eventually(const std::function<bool()>& done,
+                std::chrono::milliseconds within = std::chrono::milliseconds(2000)) {
+  const auto until = std::chrono::steady_clock::now() + within;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= until) return done();
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
 class WorkerServiceTest : public ::testing::Test {
  protected:
   void start(SimConfig c) {
     sim_ = std::make_unique<SimExecutor>(c);
-    dispatcher_ = std::make_unique<Dispatcher>(*sim_);
-    service_ = std::make_unique<WorkerService>(*sim_, *dispatcher_);
+    engine_ = std::make_unique<CountingExecutor>(*sim_);
+    dispatcher_ = std::make_unique<Dispatcher>(*engine_);
+    service_ = std::make_unique<WorkerService>(*engine_, *dispatcher_);
     grpc::ServerBuilder b;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     b.RegisterService(service_.get());
@@ -80,13 +123,26 @@ class WorkerServiceTest : public ::testing::Test {
     s.status = reader->Finish();
     return s;
   }
+  static wv1::GenerateRequest attempt(std::uint64_t attempt_id, int max_tokens,
+                                      const std::string& request_id = "") {
+    auto r = gen(max_tokens, request_id);
+    r.set_attempt_id(attempt_id);
+    return r;
+  }
   int running() {
     wv1::LoadReport r;
     service_->fill_load(&r);
     return static_cast<int>(r.running());
   }
+  // Nothing left anywhere: no stream or attempt open, nothing in the dispatcher or engine.
+  bool idle() {
+    auto s = sim_->latest_stats();
+    return service_->live_streams() == 0 && dispatcher_->in_flight() == 0 &&
+           (!s || (s->active_requests == 0 && s->queued_requests == 0));
+  }
 
   std::unique_ptr<SimExecutor> sim_;
+  std::unique_ptr<CountingExecutor> engine_;
   std::unique_ptr<Dispatcher> dispatcher_;
   std::unique_ptr<WorkerService> service_;
   std::unique_ptr<grpc::Server> server_;
@@ -252,48 +308,306 @@ TEST_F(WorkerServiceTest, GenerateStreamBatchesRequestsAndRefusesWhileDraining) 
   grpc::ClientContext ctx;
   auto stream = stub_->GenerateStream(&ctx);
   wv1::StreamRequest starts;
-  for (int i = 0; i < 8; ++i) *starts.add_start() = gen(30, "s" + std::to_string(i));
-  *starts.add_start() = gen(0, "bad");
+  for (int i = 1; i <= 8; ++i) *starts.add_start() = attempt(i, 30, "s" + std::to_string(i));
+  constexpr std::uint64_t kBad = 9;
+  *starts.add_start() = attempt(kBad, 0, "bad");
   ASSERT_TRUE(stream->Write(starts));
-  std::map<std::string, std::vector<std::uint32_t>> tokens;
-  std::map<std::string, wv1::StreamEvent> ends;
+  std::map<std::uint64_t, std::vector<std::uint32_t>> tokens;
+  std::map<std::uint64_t, wv1::StreamEvent> ends;
   int messages = 0;
   wv1::StreamResponse msg;
   while (ends.size() < 9 && stream->Read(&msg)) {
     ++messages;
     for (const auto& e : msg.events()) {
-      EXPECT_EQ(ends.count(e.request_id()), 0u) << "an event after the end";
+      EXPECT_EQ(ends.count(e.attempt_id()), 0u) << "an event after the end";
       if (e.has_chunk()) {
-        for (auto t : e.chunk().token_ids()) tokens[e.request_id()].push_back(t);
+        for (auto t : e.chunk().token_ids()) tokens[e.attempt_id()].push_back(t);
       } else {
-        ends[e.request_id()] = e;
+        ends[e.attempt_id()] = e;
       }
     }
   }
   ASSERT_EQ(ends.size(), 9u);
-  EXPECT_EQ(ends["bad"].error().code(), static_cast<std::uint32_t>(grpc::INVALID_ARGUMENT));
-  EXPECT_NE(ends["bad"].error().message().find("max_tokens"), std::string::npos);
+  const auto& bad = ends[kBad].error();
+  EXPECT_EQ(bad.code(), static_cast<std::uint32_t>(grpc::INVALID_ARGUMENT));
+  EXPECT_NE(bad.message().find("max_tokens"), std::string::npos);
+  ASSERT_EQ(bad.field_violations_size(), 1);
+  EXPECT_EQ(bad.field_violations(0).field(), "max_tokens");
   const auto h = SimExecutor::hash_tokens({11, 12, 13});
-  for (int i = 0; i < 8; ++i) {
-    const auto name = "s" + std::to_string(i);
-    ASSERT_TRUE(ends[name].has_final());
-    EXPECT_EQ(ends[name].final().usage().completion_tokens(), 30u);
-    ASSERT_EQ(tokens[name].size(), 30u);
-    EXPECT_EQ(tokens[name][29], static_cast<std::uint32_t>(SimExecutor::token_at(h, 0, 29, 1000)));
+  for (std::uint64_t a = 1; a <= 8; ++a) {
+    ASSERT_TRUE(ends[a].has_final());
+    EXPECT_EQ(ends[a].final().usage().completion_tokens(), 30u);
+    ASSERT_EQ(tokens[a].size(), 30u);
+    EXPECT_EQ(tokens[a][29], static_cast<std::uint32_t>(SimExecutor::token_at(h, 0, 29, 1000)));
   }
   EXPECT_LT(messages, 8 * 30 / 2);  // one message carries many requests' tokens
   EXPECT_EQ(running(), 0);
 
   service_->start_drain();
   wv1::StreamRequest late;
-  *late.add_start() = gen(5, "late");
+  *late.add_start() = attempt(10, 5, "late");
   ASSERT_TRUE(stream->Write(late));
   ASSERT_TRUE(stream->Read(&msg));
   ASSERT_EQ(msg.events_size(), 1);
+  EXPECT_EQ(msg.events(0).attempt_id(), 10u);
   EXPECT_EQ(msg.events(0).error().code(), static_cast<std::uint32_t>(grpc::UNAVAILABLE));
   stream->WritesDone();
   EXPECT_FALSE(stream->Read(&msg));
   EXPECT_TRUE(stream->Finish().ok());
+}
+
+// Every event of a GenerateStream call, by attempt, read until the server ends the call.
+struct StreamLog {
+  std::map<std::uint64_t, std::vector<wv1::StreamEvent>> events;
+  bool ended(std::uint64_t a) const {
+    auto it = events.find(a);
+    return it != events.end() && !it->second.back().has_chunk();
+  }
+  std::size_t tokens(std::uint64_t a) const {
+    std::size_t n = 0;
+    if (auto it = events.find(a); it != events.end()) {
+      for (const auto& e : it->second) n += static_cast<std::size_t>(e.chunk().token_ids_size());
+    }
+    return n;
+  }
+  void add(const wv1::StreamResponse& msg) {
+    for (const auto& e : msg.events()) events[e.attempt_id()].push_back(e);
+  }
+};
+
+using BidiStream = grpc::ClientReaderWriter<wv1::StreamRequest, wv1::StreamResponse>;
+
+// Reads until `done` holds (true) or the stream ends (false).
+bool read_until(BidiStream* stream, StreamLog* log, const std::function<bool()>& done) {
+  wv1::StreamResponse msg;
+  while (!done()) {
+    if (!stream->Read(&msg)) return false;
+    log->add(msg);
+  }
+  return true;
+}
+
+// The same message starts and cancels an attempt, 20 times: none of them reaches the
+// engine or sends anything; 20 fresh attempts with the same request ids then all finish.
+TEST_F(WorkerServiceTest, GenerateStreamStartCancelledInTheSameMessageNeverStarts) {
+  start(config(200));
+  grpc::ClientContext ctx;
+  auto stream = stub_->GenerateStream(&ctx);
+  for (std::uint64_t k = 1; k <= 20; ++k) {
+    wv1::StreamRequest both;
+    *both.add_start() = attempt(k, 50, "r" + std::to_string(k));
+    both.add_cancel(k);
+    ASSERT_TRUE(stream->Write(both));
+  }
+  for (std::uint64_t k = 1; k <= 20; ++k) {
+    wv1::StreamRequest fresh;
+    *fresh.add_start() = attempt(100 + k, 20, "r" + std::to_string(k));
+    ASSERT_TRUE(stream->Write(fresh));
+  }
+  StreamLog log;
+  ASSERT_TRUE(read_until(stream.get(), &log, [&] {
+    for (std::uint64_t k = 1; k <= 20; ++k) {
+      if (!log.ended(100 + k)) return false;
+    }
+    return true;
+  }));
+  stream->WritesDone();
+  ASSERT_FALSE(read_until(stream.get(), &log, [] { return false; }));  // to the end
+  EXPECT_TRUE(stream->Finish().ok());
+  for (std::uint64_t k = 1; k <= 20; ++k) {
+    EXPECT_EQ(log.events.count(k), 0u) << "attempt " << k << " was cancelled with its start";
+    const auto& last = log.events[100 + k].back();
+    ASSERT_TRUE(last.has_final()) << "attempt " << 100 + k;
+    EXPECT_EQ(last.final().finish_reason(), ::switchyard::v1::FINISH_REASON_LENGTH);
+    EXPECT_EQ(log.tokens(100 + k), 20u);
+  }
+  EXPECT_EQ(engine_->enqueues.load(), 20);  // the fresh ones only
+  EXPECT_EQ(engine_->cancels.load(), 0);
+  EXPECT_TRUE(eventually([&] { return idle(); }));
+}
+
+// One message cancels attempt 1 and starts attempt 2 under the same request id: the
+// cancel is for attempt 1 only, and attempt 2 runs to its end.
+TEST_F(WorkerServiceTest, GenerateStreamHandlesCancelsBeforeStarts) {
+  start(config(500));
+  grpc::ClientContext ctx;
+  auto stream = stub_->GenerateStream(&ctx);
+  wv1::StreamRequest first;
+  *first.add_start() = attempt(1, 5000, "same");
+  ASSERT_TRUE(stream->Write(first));
+  StreamLog log;
+  ASSERT_TRUE(read_until(stream.get(), &log, [&] { return log.tokens(1) > 0; }));
+  wv1::StreamRequest swap;
+  swap.add_cancel(1);
+  *swap.add_start() = attempt(2, 10, "same");
+  ASSERT_TRUE(stream->Write(swap));
+  ASSERT_TRUE(read_until(stream.get(), &log, [&] { return log.ended(2); }));
+  stream->WritesDone();
+  ASSERT_FALSE(read_until(stream.get(), &log, [] { return false; }));
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_FALSE(log.ended(1)) << "a cancelled attempt sends nothing after its cancel";
+  EXPECT_LT(log.tokens(1), 5000u);
+  ASSERT_TRUE(log.events[2].back().has_final());
+  EXPECT_EQ(log.events[2].back().final().finish_reason(), ::switchyard::v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(log.tokens(2), 10u);
+  EXPECT_EQ(engine_->enqueues.load(), 2);
+  EXPECT_EQ(engine_->cancels.load(), 1);
+  EXPECT_TRUE(eventually([&] { return idle(); }));
+}
+
+// request_id is for logs only on the stream: open attempts may share one.
+TEST_F(WorkerServiceTest, GenerateStreamAttemptsMayShareARequestId) {
+  start(config(200));
+  grpc::ClientContext ctx;
+  auto stream = stub_->GenerateStream(&ctx);
+  wv1::StreamRequest both;
+  *both.add_start() = attempt(5, 30, "shared");
+  *both.add_start() = attempt(6, 30, "shared");
+  ASSERT_TRUE(stream->Write(both));
+  StreamLog log;
+  ASSERT_TRUE(read_until(stream.get(), &log, [&] { return log.ended(5) && log.ended(6); }));
+  for (std::uint64_t a : {5u, 6u}) {
+    ASSERT_TRUE(log.events[a].back().has_final()) << "attempt " << a;
+    EXPECT_EQ(log.tokens(a), 30u);
+  }
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST_F(WorkerServiceTest, GenerateStreamRefusesAttemptIdZeroNamingTheField) {
+  start(config());
+  grpc::ClientContext ctx;
+  auto stream = stub_->GenerateStream(&ctx);
+  wv1::StreamRequest req;
+  *req.add_start() = attempt(0, 5, "no-attempt");
+  ASSERT_TRUE(stream->Write(req));
+  wv1::StreamResponse msg;
+  ASSERT_TRUE(stream->Read(&msg));
+  ASSERT_EQ(msg.events_size(), 1);
+  const auto& e = msg.events(0);
+  EXPECT_EQ(e.attempt_id(), 0u);
+  ASSERT_TRUE(e.has_error());
+  EXPECT_EQ(e.error().code(), static_cast<std::uint32_t>(grpc::INVALID_ARGUMENT));
+  EXPECT_NE(e.error().message().find("attempt_id"), std::string::npos) << e.error().message();
+  ASSERT_EQ(e.error().field_violations_size(), 1);
+  EXPECT_EQ(e.error().field_violations(0).field(), "attempt_id");
+  EXPECT_EQ(engine_->enqueues.load(), 0);
+  stream->WritesDone();
+  EXPECT_FALSE(stream->Read(&msg));
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+// A start reusing an open attempt id: ALREADY_EXISTS, the engine never sees it, and the
+// open attempt goes on unharmed.
+TEST_F(WorkerServiceTest, GenerateStreamRefusesAnOpenAttemptIdBeforeEnqueueing) {
+  start(config(500));
+  grpc::ClientContext ctx;
+  auto stream = stub_->GenerateStream(&ctx);
+  wv1::StreamRequest first;
+  *first.add_start() = attempt(7, 200, "a");
+  ASSERT_TRUE(stream->Write(first));
+  StreamLog log;
+  ASSERT_TRUE(read_until(stream.get(), &log, [&] { return log.tokens(7) > 0; }));
+  wv1::StreamRequest again;
+  *again.add_start() = attempt(7, 5, "b");
+  ASSERT_TRUE(stream->Write(again));
+  ASSERT_TRUE(read_until(stream.get(), &log, [&] {
+    auto it = log.events.find(7);
+    return it != log.events.end() && it->second.back().has_final();
+  }));
+  int errors = 0;
+  for (const auto& e : log.events[7]) {
+    if (!e.has_error()) continue;
+    ++errors;
+    EXPECT_EQ(e.error().code(), static_cast<std::uint32_t>(grpc::ALREADY_EXISTS));
+  }
+  EXPECT_EQ(errors, 1);
+  EXPECT_EQ(log.tokens(7), 200u);
+  EXPECT_EQ(log.events[7].back().final().usage().completion_tokens(), 200u);
+  EXPECT_EQ(engine_->enqueues.load(), 1);
+  EXPECT_EQ(engine_->cancels.load(), 0);
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+// A Generate stream that ends before its request cancels the engine request, once.
+TEST_F(WorkerServiceTest, GenerateClientCancelCancelsTheEngineRequestOnce) {
+  start(config(1000));
+  grpc::ClientContext ctx;
+  auto reader = stub_->Generate(&ctx, gen(5000, "cancel-me"));
+  wv1::GenerateResponse msg;
+  ASSERT_TRUE(reader->Read(&msg));
+  ctx.TryCancel();
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(eventually([&] { return idle(); }));
+  EXPECT_EQ(engine_->cancels.load(), 1);
+}
+
+// The client goes away while a write is stalled on flow control: the write fails and the
+// call is cancelled; the engine request is cancelled exactly once.
+TEST_F(WorkerServiceTest, GenerateClientGoneMidWriteCancelsTheEngineRequestOnce) {
+  start(config(50));
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
+  {
+    auto channel = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port_),
+                                             grpc::InsecureChannelCredentials(), args);
+    auto stub = Worker::NewStub(channel);
+    grpc::ClientContext ctx;
+    auto reader = stub->Generate(&ctx, gen(5000, "gone"));
+    wv1::GenerateResponse msg;
+    ASSERT_TRUE(reader->Read(&msg));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the window fills up
+    ctx.TryCancel();
+    reader->Finish();
+  }  // and the channel closes
+  EXPECT_TRUE(eventually([&] { return idle(); }));
+  EXPECT_EQ(engine_->cancels.load(), 1);
+}
+
+// The reactor's reactions driven directly (CallbackServerContext's public constructor is for
+// this), in an order gRPC allows: a failed write ends the stream, the call finishes
+// CANCELLED, then OnCancel and OnDone. The engine request is cancelled as soon as the
+// write fails, and only once; OnCancel alone (which real clients happen to trigger too)
+// must not be what frees the engine.
+TEST_F(WorkerServiceTest, GenerateEndedByAFailedWriteCancelsTheEngineRequestOnce) {
+  start(config(1000));
+  grpc::CallbackServerContext ctx;
+  const auto req = gen(5000, "write-fails");
+  auto* reactor = service_->Generate(&ctx, &req);
+  ASSERT_TRUE(eventually([&] {
+    auto s = sim_->latest_stats();
+    return s && s->generated_tokens_total >= 2;
+  }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a write has been started
+  reactor->OnWriteDone(false);
+  EXPECT_EQ(engine_->cancels.load(), 1) << "the failed write did not cancel the engine request";
+  reactor->OnCancel();
+  reactor->OnDone();
+  EXPECT_TRUE(eventually([&] { return idle(); }));
+  EXPECT_EQ(engine_->cancels.load(), 1);
+}
+
+// A second Generate with a request id in flight is refused before it reaches the engine.
+TEST_F(WorkerServiceTest, GenerateDuplicateRequestIdNeverEnqueues) {
+  start(config(1000));
+  grpc::ClientContext ctx;
+  auto reader = stub_->Generate(&ctx, gen(5000, "dup"));
+  wv1::GenerateResponse msg;
+  ASSERT_TRUE(reader->Read(&msg));
+  grpc::ClientContext dup_ctx;
+  auto dup = read_all(&dup_ctx, gen(5, "dup"));
+  EXPECT_EQ(dup.status.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_NE(dup.status.error_message().find("dup"), std::string::npos);
+  EXPECT_EQ(engine_->enqueues.load(), 1);
+  EXPECT_EQ(engine_->cancels.load(), 0);
+  ctx.TryCancel();
+  reader->Finish();
+  EXPECT_TRUE(eventually([&] { return idle(); }));
+  // The id is free again once its request is over.
+  grpc::ClientContext again_ctx;
+  EXPECT_TRUE(read_all(&again_ctx, gen(3, "dup")).status.ok());
 }
 
 }  // namespace
