@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import structlog
 
 from switchyard_common.logs import configure_logging
-from switchyard_common.ports import check_free
+from switchyard_common.ports import Reservation
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -77,7 +77,8 @@ async def run(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
     )
     try:
-        check_free(args.host, args.port)  # before minutes of engine start, not after
+        # Fail before minutes of engine start, not after, and keep the port meanwhile.
+        reservation = Reservation(args.host, args.port)
     except OSError as exc:
         log.error("startup failed", error=str(exc))
         return EXIT_STARTUP_FAILED
@@ -90,7 +91,9 @@ async def run(args: argparse.Namespace) -> int:
     log.info("startup", seconds=round(time.monotonic() - started, 1))
     code = EXIT_STARTUP_FAILED
     try:
-        reason = await serve(engine, args.host, args.port, grace_s=args.grace)
+        reason = await serve(
+            engine, args.host, args.port, grace_s=args.grace, reservation=reservation
+        )
         code = EXIT_ENGINE_DEAD if reason is StopReason.ENGINE_DEAD else EXIT_OK
         log.info("stopped", reason=reason.value)
     except Exception:

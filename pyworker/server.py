@@ -23,7 +23,7 @@ from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from pyworker.engine import Engine
 from pyworker.servicer import WorkerServicer
-from switchyard_common.ports import NO_REUSEPORT, bind
+from switchyard_common.ports import NO_REUSEPORT, Reservation, bind
 
 log = structlog.get_logger(__name__)
 
@@ -69,9 +69,11 @@ class WorkerServer:
             self._server,
         )
 
-    async def start(self) -> int:
+    async def start(self, reservation: Reservation | None = None) -> int:
         for name in HEALTH_SERVICES:
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if reservation is not None:
+            reservation.release()  # held while the engine started; bound again at once
         self.port = bind(self._server, self._address)
         await self._server.start()
         for name in HEALTH_SERVICES:
@@ -132,13 +134,17 @@ def _on_signal(server: WorkerServer, sig: signal.Signals) -> None:
 
 
 async def serve(
-    engine: Engine, host: str, port: int, grace_s: float = DEFAULT_GRACE_S
+    engine: Engine,
+    host: str,
+    port: int,
+    grace_s: float = DEFAULT_GRACE_S,
+    reservation: Reservation | None = None,
 ) -> StopReason:
     """Serve `engine` until SIGTERM/SIGINT or engine death. The engine stays up."""
     server = WorkerServer(engine, host, port)
     install_signal_handlers(server)
     try:
-        await server.start()
+        await server.start(reservation)
         try:
             return await server.wait()
         finally:

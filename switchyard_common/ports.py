@@ -29,17 +29,42 @@ def bind(server: Any, address: str) -> int:
     return port
 
 
-def check_free(host: str, port: int) -> None:
-    """Fail now if something listens on host:port (port 0 is always free). For a process
-    that would otherwise spend minutes loading an engine before it binds."""
-    if port == 0:
-        return
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        # Like gRPC: connections of an earlier process in TIME_WAIT do not count.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+class Reservation:
+    """Holds host:port for a process that binds it later (a vLLM worker, after minutes of
+    engine start): a bound socket that does not listen, so no other bind, nor the kernel
+    picking a port for someone's outgoing connection, takes the port meanwhile. Raises
+    "port in use" at once when something listens there. `release()` just before the real
+    bind."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._socket: socket.socket | None = None
+        if port == 0:
+            return
+        bare = host.strip("[]")
+        family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+        shown = f"[{bare}]:{port}" if family == socket.AF_INET6 else f"{bare}:{port}"
+        s = socket.socket(family, socket.SOCK_STREAM)
         try:
-            s.bind((host.strip("[]"), port))
+            try:
+                s.bind((bare, port))  # without SO_REUSEADDR: nobody else may bind it
+            except OSError:
+                # Maybe only connections of an earlier process in TIME_WAIT (a restart on
+                # the same port): those do not count, as for gRPC's own bind.
+                s.close()
+                s = socket.socket(family, socket.SOCK_STREAM)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((bare, port))
         except OSError as exc:
-            shown = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+            s.close()
             raise port_in_use(shown) from exc
+        self._socket = s
+
+    def release(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+
+def check_free(host: str, port: int) -> None:
+    """Fail now if something listens on host:port (port 0 is always free)."""
+    Reservation(host, port).release()

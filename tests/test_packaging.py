@@ -44,7 +44,8 @@ def test_wheel_carries_generated_stubs(tmp_path: Path) -> None:
         "switchyard/v1/generation_pb2_grpc.py",
         "switchyard/worker/v1/worker_pb2.py",
         "switchyard/worker/v1/worker_pb2_grpc.py",
-        "control/servicer.py",
+        "control/api/generation.py",
+        "switchyard_common/rpc_status.py",
         "pyworker/servicer.py",
     ):
         assert expected in names, f"{expected} missing from {wheel.name}"
