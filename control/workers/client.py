@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -18,8 +17,10 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
+from control.workers import health
 from control.workers.call import WorkerCall
 from control.workers.circuit import CircuitBreaker
+from control.workers.health import Load
 from control.workers.stream import StreamSession
 
 log = structlog.get_logger(__name__)
@@ -61,14 +62,6 @@ class WorkerInfo:
         return f"{self.engine} {self.engine_version}"
 
 
-@dataclass(slots=True)
-class Load:
-    running: int = 0
-    waiting: int = 0
-    kv_cache_usage: float = 0.0
-    updated: float = 0.0
-
-
 class WorkerNotReady(RuntimeError):
     pass
 
@@ -89,7 +82,7 @@ class WorkerClient:
         self.health_policy = health or HealthPolicy()
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.info: WorkerInfo | None = None
         self.serving = False
         self.draining = False
@@ -147,7 +140,7 @@ class WorkerClient:
 
     async def check_serving(self, timeout: float = 2.0) -> bool:
         try:
-            resp = await self._health.Check(
+            resp = await self.health_stub.Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout
             )
         except grpc.aio.AioRpcError:
@@ -188,83 +181,13 @@ class WorkerClient:
     def start_watching(self) -> None:
         if not self._tasks:
             self._tasks = [
-                asyncio.create_task(self._watch_health(), name=f"health {self.address}"),
-                asyncio.create_task(self._watch_load(), name=f"load {self.address}"),
-                asyncio.create_task(self._canary(), name=f"canary {self.address}"),
+                asyncio.create_task(health.watch_health(self), name=f"health {self.address}"),
+                asyncio.create_task(health.watch_load(self), name=f"load {self.address}"),
+                asyncio.create_task(health.canary(self), name=f"canary {self.address}"),
             ]
 
-    async def _canary(self) -> None:
-        """A one-token generation every interval: a worker whose process lives but whose
-        engine hangs stops answering it, and its circuit opens."""
-        policy = self.health_policy
-        while True:
-            await asyncio.sleep(policy.canary_interval_s)
-            if not self.serving or self.info is None:
-                continue
-            ok = await self.probe(policy.canary_timeout_s)
-            if ok:
-                if not self.breaker.allows_traffic():
-                    log.info("worker canary passed; circuit closed", worker=self.address)
-                self.breaker.record_success()
-            else:
-                was = self.breaker.allows_traffic()
-                self.breaker.record_failure()
-                if was and not self.breaker.allows_traffic():
-                    log.warning(
-                        "worker ejected: canary failing",
-                        worker=self.address,
-                        streams_moved=len(self.calls),
-                    )
-                    # Streams on a hung worker would hang with it: move them elsewhere.
-                    for call in list(self.calls):
-                        call.eject()
-
     async def probe(self, timeout: float) -> bool:
-        assert self.info is not None
-        first = self.info.eos_token_ids[0] if self.info.eos_token_ids else 0
-        req = worker_pb2.GenerateRequest(
-            request_id=f"canary-{uuid.uuid4().hex[:12]}",
-            prompt_token_ids=[first],
-            max_tokens=1,
-            ignore_eos=True,
-        )
-        started = time.monotonic()
-        try:
-            async for resp in self.stub.Generate(req, timeout=timeout):
-                if resp.HasField("final"):
-                    self.last_canary_ms = (time.monotonic() - started) * 1000
-                    return True
-        except grpc.aio.AioRpcError:
-            return False
-        return False
-
-    async def _watch_health(self) -> None:
-        backoff = 0.2
-        while True:
-            try:
-                call = self._health.Watch(health_pb2.HealthCheckRequest(service=""))
-                async for resp in call:
-                    serving = resp.status == health_pb2.HealthCheckResponse.SERVING
-                    if serving != self.serving:
-                        log.info("worker health", worker=self.address, serving=serving)
-                    self.serving = serving
-                    backoff = 0.2
-            except grpc.aio.AioRpcError as e:
-                if self.serving:
-                    log.warning("worker unreachable", worker=self.address, code=e.code().name)
-                self.serving = False
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
-
-    async def _watch_load(self) -> None:
-        while True:
-            try:
-                call = self.stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=250))
-                async for r in call:
-                    self.load = Load(r.running, r.waiting, r.kv_cache_usage, time.monotonic())
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(1.0)
+        return await health.probe(self, timeout)
 
     async def close(self) -> None:
         self.serving = False

@@ -221,10 +221,26 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
       if (it == requests_.end()) return;  // unknown or over: nothing to do
       id = it->second.id;
       requests_.erase(it);
-      open_chunks_.erase(attempt);  // what is pending still goes out; nothing after it
+      drop_pending_locked(attempt);
       live_.fetch_sub(1);
     }
     abandon({id});
+  }
+
+  // Drops what is queued for a cancelled attempt: its caller listens no more. A live
+  // attempt can only have its open chunk pending (a final or error ends it).
+  void drop_pending_locked(AttemptId attempt) {
+    if (open_chunks_.erase(attempt) == 0) return;
+    wv1::StreamResponse kept;
+    open_chunks_.clear();
+    for (auto& event : *pending_.mutable_events()) {
+      if (event.attempt_id() == attempt) continue;
+      if (event.has_chunk() && requests_.count(event.attempt_id()) != 0) {
+        open_chunks_[event.attempt_id()] = kept.events_size();
+      }
+      *kept.add_events() = std::move(event);
+    }
+    pending_.Swap(&kept);
   }
 
   std::vector<RequestId> take_all_locked() {

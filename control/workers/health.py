@@ -1,0 +1,110 @@
+"""A worker's health as the control plane follows it: `grpc.health.v1` Watch, the load
+reports of `StreamLoad`, and a canary (a one-token generation every interval) that ejects
+a worker whose process lives but whose engine hangs, moving its streams elsewhere.
+
+Each runs as a task of its `WorkerClient` (`start_watching`) until the client closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2
+from switchyard.worker.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from control.workers.client import WorkerClient
+
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Load:
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    updated: float = 0.0
+
+
+async def canary(worker: WorkerClient) -> None:
+    """A one-token generation every interval: a worker whose process lives but whose
+    engine hangs stops answering it, and its circuit opens."""
+    policy = worker.health_policy
+    while True:
+        await asyncio.sleep(policy.canary_interval_s)
+        if not worker.serving or worker.info is None:
+            continue
+        ok = await probe(worker, policy.canary_timeout_s)
+        if ok:
+            if not worker.breaker.allows_traffic():
+                log.info("worker canary passed; circuit closed", worker=worker.address)
+            worker.breaker.record_success()
+        else:
+            was = worker.breaker.allows_traffic()
+            worker.breaker.record_failure()
+            if was and not worker.breaker.allows_traffic():
+                log.warning(
+                    "worker ejected: canary failing",
+                    worker=worker.address,
+                    streams_moved=len(worker.calls),
+                )
+                # Streams on a hung worker would hang with it: move them elsewhere.
+                for call in list(worker.calls):
+                    call.eject()
+
+
+async def probe(worker: WorkerClient, timeout: float) -> bool:
+    assert worker.info is not None
+    first = worker.info.eos_token_ids[0] if worker.info.eos_token_ids else 0
+    req = worker_pb2.GenerateRequest(
+        request_id=f"canary-{uuid.uuid4().hex[:12]}",
+        prompt_token_ids=[first],
+        max_tokens=1,
+        ignore_eos=True,
+    )
+    started = time.monotonic()
+    try:
+        async for resp in worker.stub.Generate(req, timeout=timeout):
+            if resp.HasField("final"):
+                worker.last_canary_ms = (time.monotonic() - started) * 1000
+                return True
+    except grpc.aio.AioRpcError:
+        return False
+    return False
+
+
+async def watch_health(worker: WorkerClient) -> None:
+    backoff = 0.2
+    while True:
+        try:
+            call = worker.health_stub.Watch(health_pb2.HealthCheckRequest(service=""))
+            async for resp in call:
+                serving = resp.status == health_pb2.HealthCheckResponse.SERVING
+                if serving != worker.serving:
+                    log.info("worker health", worker=worker.address, serving=serving)
+                worker.serving = serving
+                backoff = 0.2
+        except grpc.aio.AioRpcError as e:
+            if worker.serving:
+                log.warning("worker unreachable", worker=worker.address, code=e.code().name)
+            worker.serving = False
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, 5.0)
+
+
+async def watch_load(worker: WorkerClient) -> None:
+    while True:
+        try:
+            call = worker.stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=250))
+            async for r in call:
+                worker.load = Load(r.running, r.waiting, r.kv_cache_usage, time.monotonic())
+        except grpc.aio.AioRpcError:
+            pass
+        await asyncio.sleep(1.0)
