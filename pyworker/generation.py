@@ -126,11 +126,31 @@ class Generations:
             await sink.error(exc)
         except StreamClosed:
             log.info("generate stream closed by the client", request_id=request_id)
+        except Exception as exc:  # a fault outside the relay: the request still ends
+            log.error("generate failed unexpectedly", request_id=request_id, exc_info=exc)
+            ended = state.finished
+            await self._guard_abort(state)
+            if not ended:
+                with contextlib.suppress(StreamClosed):
+                    await self._fail_unexpectedly(exc, state, sink)
         finally:
             # Cancellation (client gone, deadline) lands here too: generate() aborts on
             # its own when cancelled; this guard covers the gaps around it.
             self.release(state)
             await self._guard_abort(state)
+
+    async def _fail_unexpectedly(self, exc: Exception, state: InFlight, sink: Sink) -> None:
+        if state.completion_tokens == 0:
+            await sink.error(EngineFailure(f"worker error: {exc!r}"))
+            return
+        final = worker_pb2.Final(
+            finish_reason=common_pb2.FINISH_REASON_ERROR,
+            error_message=f"worker error: {exc!r}",
+            usage=common_pb2.Usage(
+                prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens
+            ),
+        )
+        await sink.final(final)
 
     def release(self, state: InFlight) -> None:
         """Forget an admitted request (idempotent); also for one whose `serve` never ran
@@ -192,7 +212,8 @@ class Generations:
                             last_token = token_ids[-1]
                             self._rate.add(len(token_ids))
                     if out.finished:
-                        state.finished = True
+                        # Built before the request counts as finished, so that a fault
+                        # here still ends it with an error rather than with nothing.
                         final = self._final(parsed, state, completion, last_token)
                         final.usage.prompt_tokens = len(parsed.prompt_token_ids)
                         final.usage.completion_tokens = completion_tokens
@@ -200,6 +221,7 @@ class Generations:
                         final.queue_ms = _queue_ms(getattr(out, "metrics", None))
                         if first_token_at is not None:
                             final.time_to_first_token_ms = (first_token_at - arrived) * 1000.0
+                        state.finished = True
                         await _outside(budget, when, sink.final(final))
         except (asyncio.CancelledError, TimeoutError, WorkerError, StreamClosed):
             raise

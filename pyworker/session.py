@@ -24,7 +24,7 @@ from typing import Any
 import structlog
 from switchyard.worker.v1 import worker_pb2
 
-from pyworker.errors import AlreadyExists, InvalidArgument, WorkerError
+from pyworker.errors import AlreadyExists, EngineFailure, InvalidArgument, WorkerError
 from pyworker.generation import Generations
 from pyworker.load import InFlight
 from pyworker.request import deadline_after
@@ -46,6 +46,7 @@ class Session:
         self._ready = asyncio.Event()
         self._closing = False
         self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._cancelled: set[asyncio.Task[None]] = set()
 
     async def run(self, request_iterator: Any) -> None:
         writer = asyncio.create_task(self._write_loop(), name="generate-stream writer")
@@ -68,13 +69,15 @@ class Session:
             for task in tasks:
                 task.cancel()
             writer.cancel()
-            await asyncio.gather(*tasks, writer, return_exceptions=True)
+            await asyncio.gather(*tasks, *self._cancelled, writer, return_exceptions=True)
 
     def _cancel(self, attempt_id: int) -> None:
         task = self._tasks.pop(attempt_id, None)
         if task is None:
             return  # unknown or over: nothing to do
         task.cancel()  # its done-callback releases it
+        self._cancelled.add(task)  # awaited before the stream ends
+        task.add_done_callback(self._cancelled.discard)
         self._forget(attempt_id)
 
     def _start(self, request: Any) -> None:
@@ -89,6 +92,10 @@ class Session:
             state, parsed = self._generations.admit(request, engine_id)
         except WorkerError as exc:
             self._error(attempt_id, exc)
+            return
+        except Exception as exc:  # a bug of ours: this attempt fails, the stream goes on
+            log.error("generate start failed", attempt_id=attempt_id, exc_info=exc)
+            self._error(attempt_id, EngineFailure(f"worker error: {exc!r}"))
             return
         deadline = deadline_after(request.timeout_ms / 1000.0) if request.timeout_ms else None
         sink = _EventSink(self, attempt_id)
@@ -106,15 +113,19 @@ class Session:
         self._generations.release(state)
 
     def _forget(self, attempt_id: int) -> None:
-        """Drop what is queued for a cancelled attempt: its caller listens no more."""
-        if self._open_chunks.pop(attempt_id, None) is None and not any(
-            e.attempt_id == attempt_id for e in self._pending.events
-        ):
+        """Drop what is queued for a cancelled attempt: its caller listens no more. A live
+        attempt can only have its open chunk queued (a final or an error ends it)."""
+        if self._open_chunks.pop(attempt_id, None) is None:
             return
-        kept = [e for e in self._pending.events if e.attempt_id != attempt_id]
-        del self._pending.events[:]
-        self._pending.events.extend(kept)
-        self._open_chunks = {e.attempt_id: e.chunk for e in kept if e.HasField("chunk")}
+        events = self._pending.events
+        for i in reversed(range(len(events))):  # in place: the open chunks stay the ones sent
+            if events[i].attempt_id == attempt_id:
+                del events[i]
+        self._open_chunks = {
+            e.attempt_id: e.chunk
+            for e in events
+            if e.HasField("chunk") and e.attempt_id in self._tasks
+        }
 
     # ---- the pending message ---------------------------------------------------------
 

@@ -46,6 +46,24 @@ def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
         )
     )
+    handler.setLevel(numeric)
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(numeric)
+    grpc_core = logging.getLogger("grpc._cython.cygrpc")
+    if not any(isinstance(f, _LateStatusFilter) for f in grpc_core.filters):
+        grpc_core.addFilter(_LateStatusFilter())
+
+
+class _LateStatusFilter(logging.Filter):
+    """grpc logs an error with a traceback whenever a handler ends a call whose client has
+    already gone (its deadline passed, or it cancelled): the status has nobody to reach.
+    That is a normal end of a stream, not a fault: one debug line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("ExecuteBatchError raised in core"):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.exc_info = None
+            record.exc_text = None
+            record.msg, record.args = "a status could not be sent: the client had gone", ()
+        return True

@@ -66,8 +66,10 @@ class WorkerCallFailed(Exception):
         code: grpc.StatusCode | None = None,
         violations: tuple[FieldViolation, ...] = (),
         retry_after_s: float | None = None,
+        counted: bool = False,
     ) -> None:
         super().__init__(f"worker {worker}: {kind.value}: {message}")
+        self.counted = counted  # already recorded on the worker's circuit breaker
         self.kind = kind
         self.worker = worker
         self.message = message
@@ -184,16 +186,22 @@ class WorkerCall:
                     return
                 yield message
         except WorkerCallFailed as failure:  # a GenerateStream error event or break
-            if failure.kind is FailureKind.LOST:
+            if failure.kind is FailureKind.LOST and not failure.counted:
                 self._worker.breaker.record_failure()
             raise
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
-            if self._ejected and not (task is not None and task.cancelling()):
+            if task is not None and task.cancelling():
+                raise  # the caller went away
+            # Cancelled from our side, not the caller's: an ejection, or the channel
+            # closing under the call (unload, shutdown, a worker leaving).
+            if self._ejected:
                 raise WorkerCallFailed(
                     FailureKind.EJECTED, address, "the worker was ejected (canary failing)"
                 ) from exc
-            raise  # the caller went away
+            raise WorkerCallFailed(
+                FailureKind.LOST, address, "the call was cancelled: the channel closed"
+            ) from exc
         except Exception as exc:
             raise self._convert(exc) from exc
         if not self._finished:

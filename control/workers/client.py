@@ -106,7 +106,9 @@ class WorkerClient:
         raises `WorkerCallFailed` for every way it can fail."""
         if self.health_policy.worker_stream and self.info and self.info.generate_stream:
             if self._stream is None:
-                self._stream = StreamSession(self.stub, self.address)
+                self._stream = StreamSession(
+                    self.stub, self.address, on_break=self.breaker.record_failure
+                )
             stream = self._stream
             return WorkerCall(self, lambda: stream.open(request, timeout), cost_tokens)
         # Generate keys requests by request_id on the worker: make each attempt's unique.

@@ -47,15 +47,15 @@ async def canary(worker: WorkerClient) -> None:
                 log.info("worker canary passed; circuit closed", worker=worker.address)
             worker.breaker.record_success()
         else:
-            was = worker.breaker.allows_traffic()
             worker.breaker.record_failure()
-            if was and not worker.breaker.allows_traffic():
+            # However the circuit opened (canaries, or requests that failed), streams on
+            # a worker that does not answer its canary would hang with it: move them.
+            if not worker.breaker.allows_traffic() and worker.calls:
                 log.warning(
                     "worker ejected: canary failing",
                     worker=worker.address,
                     streams_moved=len(worker.calls),
                 )
-                # Streams on a hung worker would hang with it: move them elsewhere.
                 for call in list(worker.calls):
                     call.eject()
 

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import itertools
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -39,6 +40,7 @@ log = structlog.get_logger(__name__)
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 MAX_BUFFERED_TOKENS = 8192
 SLOW_READER_GRACE_S = 10.0
+MAX_TIMEOUT_MS = 2**32 - 1  # GenerateRequest.timeout_ms is a uint32
 
 
 class StreamCall:
@@ -175,8 +177,10 @@ class StreamSession:
         *,
         max_buffered_tokens: int = MAX_BUFFERED_TOKENS,
         slow_reader_grace_s: float = SLOW_READER_GRACE_S,
+        on_break: Callable[[], None] = lambda: None,
     ) -> None:
         self._stub = stub
+        self._on_break = on_break
         self.address = address
         self.max_buffered_tokens = max_buffered_tokens
         self.slow_reader_grace_s = slow_reader_grace_s
@@ -199,10 +203,10 @@ class StreamSession:
         attempt_id = next(self._ids)
         request.attempt_id = attempt_id
         call = StreamCall(self, attempt_id)
-        self._calls[attempt_id] = call
-        if timeout is not None:
+        if timeout is not None and timeout * 1000 < MAX_TIMEOUT_MS:  # beyond: no deadline
             request.timeout_ms = max(1, int(timeout * 1000))
             call._timer = asyncio.get_running_loop().call_later(timeout, call._expire)
+        self._calls[attempt_id] = call
         self._starts[attempt_id] = request
         self._send.set()
         return call
@@ -251,6 +255,7 @@ class StreamSession:
         kind, details = FailureKind.LOST, "the worker ended the stream"
         try:
             async for message in call:
+                behind: list[StreamCall] = []
                 for event in message.events:
                     target = calls.get(event.attempt_id)
                     if target is None:
@@ -259,6 +264,11 @@ class StreamSession:
                         del calls[event.attempt_id]
                     target._push(event)
                     if target._buffered > self.max_buffered_tokens:
+                        behind.append(target)
+                # The whole message is delivered first; then the stream waits (reads no
+                # more) for the readers that are too far behind.
+                for target in behind:
+                    if not target.done():
                         await self._wait_for_reader(target)
         except asyncio.CancelledError:
             details = "the worker connection was closed"
@@ -268,6 +278,9 @@ class StreamSession:
                 details = "the worker connection was closed"
         except grpc.aio.UsageError as exc:
             details = str(exc)
+        except Exception as exc:  # a message that did not parse, a bug: the stream is gone
+            log.error("generate stream reader failed", worker=self.address, exc_info=exc)
+            details = f"reading from the worker failed: {exc!r}"
         if call is self._call:
             log.warning("generate stream broke", worker=self.address, error=details)
             self._break(kind, details)
@@ -317,6 +330,7 @@ class StreamSession:
         if call is not None:
             with contextlib.suppress(Exception):
                 call.cancel()
-        error = WorkerCallFailed(kind, self.address, details)
+        if calls:
+            self._on_break()  # one break is one failure of the worker, however many calls
         for stream in calls.values():
-            stream._fail(error)
+            stream._fail(WorkerCallFailed(kind, self.address, details, counted=True))

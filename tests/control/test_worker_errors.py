@@ -54,6 +54,8 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         if request.max_tokens == 1 and request.request_id.startswith("canary-"):
             await context.write(worker_pb2.GenerateResponse(final=worker_pb2.Final()))
             return
+        if self.mode == "hang":  # an engine that never answers
+            await asyncio.Event().wait()
         code, message, violations, retry = self._answer()
         await context.abort(
             code,
@@ -207,3 +209,26 @@ async def test_a_bug_in_the_control_plane_is_internal_with_the_request_id(
     assert "req-42" in (err.value.details() or "")
     logged = [e for e in capture.entries if e["event"] == "request failed unexpectedly"]
     assert logged and logged[0]["request_id"] == "req-42" and logged[0]["model"] == "m"
+
+
+async def test_a_channel_closed_under_a_call_is_a_lost_worker_not_a_client_cancel(
+    scripted: tuple[ScriptedWorker, str],
+) -> None:
+    from control.workers.call import FailureKind, WorkerCallFailed
+    from control.workers.client import HealthPolicy, WorkerClient
+
+    worker, address = scripted
+    worker.mode = "hang"
+    client = WorkerClient(address, HealthPolicy(canary_interval_s=3600, worker_stream=False))
+    await client.wait_ready(10)
+    req = worker_pb2.GenerateRequest(request_id="r", prompt_token_ids=[5], max_tokens=4)
+    closing: asyncio.Task[None] | None = None
+    with pytest.raises(WorkerCallFailed) as failed:
+        async with client.generate(req, None) as events:
+            closing = asyncio.create_task(client.close())  # an unload, a worker leaving
+            async for _ in events:
+                pass
+    assert failed.value.kind is FailureKind.LOST  # so the request fails over
+    assert closing is not None
+    await closing
+    assert client.in_flight == 0 and not client.calls

@@ -215,3 +215,40 @@ async def test_a_workers_field_violations_reach_the_client_by_their_public_names
     client_error = _client_error(failed.value, params)
     assert isinstance(client_error, InvalidArgument)
     assert [v.field for v in client_error.violations] == ["stopping.max_tokens"]
+
+
+async def test_a_slow_reader_never_holds_back_the_rest_of_a_message() -> None:
+    wire = ScriptedCall()
+    session = StreamSession(Stub(wire), "w:1", max_buffered_tokens=8, slow_reader_grace_s=60)
+    slow = session.open(request("slow"), None)
+    other = session.open(request("other"), None)
+    await wire.next_write()
+    # One message: `slow` goes over its limit first, `other` finishes after it.
+    wire.send(
+        chunk(slow.attempt_id, *range(12)), chunk(other.attempt_id, 5), final(other.attempt_id)
+    )
+    events = await drain(other)  # while `slow` is still unread
+    assert [list(e.chunk.token_ids) for e in events[:-1]] == [[5]]
+    slow.cancel()
+
+
+async def test_a_message_the_reader_cannot_take_breaks_the_stream_at_once() -> None:
+    wire = ScriptedCall()
+    session = StreamSession(Stub(wire), "w:1")
+    call = session.open(request(), None)  # no deadline: it must not wait forever
+    await wire.next_write()
+    wire._inbox.put_nowait(object())  # type: ignore[arg-type]  # has no .events
+    with pytest.raises(WorkerCallFailed) as failed:
+        await drain(call)
+    assert failed.value.kind is FailureKind.LOST and wire.cancelled
+
+
+async def test_a_deadline_beyond_the_wire_limit_means_no_deadline() -> None:
+    wire = ScriptedCall()
+    session = StreamSession(Stub(wire), "w:1")
+    req = request()
+    call = session.open(req, 1e10)  # about 300 years
+    assert req.timeout_ms == 0
+    (start,) = (await wire.next_write()).start
+    wire.send(final(start.attempt_id))
+    await drain(call)
