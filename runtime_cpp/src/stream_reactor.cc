@@ -67,6 +67,10 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
       std::unique_lock<std::mutex> lock(mu_);  // send the error events, if any
       if (!write_in_flight_) write_next_locked(lock);
     }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_) return;  // cancelled while handling this message: Finish is called
+    }
     StartRead(&in_);
   }
 
