@@ -180,6 +180,8 @@ class _Run:
             if remaining_tokens <= 0:  # the worker died after its last token
                 self.final.finish_reason = FinishReason.FINISH_REASON_LENGTH
                 break
+            if tried and self._ended_by_last_token():  # it died after an EOS or stop token
+                break
             route = RouteRequest(
                 prompt_ids=self.prompt_ids,
                 max_tokens=remaining_tokens,
@@ -224,6 +226,21 @@ class _Run:
         self.final.usage.completion_tokens = len(self.generated)
         if self.final.stop_string:
             self.final.finish_reason = FinishReason.FINISH_REASON_STOP
+
+    def _ended_by_last_token(self) -> bool:
+        """Whether the tokens so far already end the request (the worker that made them
+        failed before its final): resuming would generate past the end."""
+        if not self.generated:
+            return False
+        last = self.generated[-1]
+        if last in self.params.stop_token_ids:
+            self.final.stop_token_id = last
+        elif not self.params.ignore_eos and last in self.entry.info.eos_token_ids:
+            self.final.eos_token_id = last
+        else:
+            return False
+        self.final.finish_reason = FinishReason.FINISH_REASON_STOP
+        return True
 
     def _match(self, text: str, final_piece: bool = False) -> str:
         if self.matcher is None or self.final.stop_string:

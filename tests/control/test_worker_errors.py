@@ -16,7 +16,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_status import rpc_status
-from switchyard.v1 import generation_pb2, generation_pb2_grpc
+from switchyard.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from control.config import parse_config
@@ -56,6 +56,11 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
             return
         if self.mode == "hang":  # an engine that never answers
             await asyncio.Event().wait()
+        if self.mode == "eos-then-die":  # the end of the answer, then the worker is gone
+            await context.write(
+                worker_pb2.GenerateResponse(chunk=worker_pb2.Chunk(token_ids=[7, 1]))
+            )
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker going away")
         code, message, violations, retry = self._answer()
         await context.abort(
             code,
@@ -68,6 +73,11 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
     async def GenerateStream(self, request_iterator: Any, context: Any) -> None:
         async for message in request_iterator:
             for start in message.start:
+                if self.mode == "eos-then-die":
+                    chunk = worker_pb2.Chunk(token_ids=[7, 1])
+                    event = worker_pb2.StreamEvent(attempt_id=start.attempt_id, chunk=chunk)
+                    await context.write(worker_pb2.StreamResponse(events=[event]))
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "worker going away")
                 code, text, violations, retry = self._answer()
                 error = worker_pb2.StreamError(
                     code=code.value[0],
@@ -232,3 +242,16 @@ async def test_a_channel_closed_under_a_call_is_a_lost_worker_not_a_client_cance
     assert closing is not None
     await closing
     assert client.in_flight == 0 and not client.calls
+
+
+async def test_a_worker_lost_right_after_the_eos_token_ends_the_answer_there(
+    plane: generation_pb2_grpc.GenerationStub, scripted: tuple[ScriptedWorker, str]
+) -> None:
+    scripted[0].mode = "eos-then-die"
+    req = generation_pb2.GenerateRequest(
+        model="m", text="Hello", stopping=generation_pb2.StoppingParams(max_tokens=16)
+    )
+    messages = [m async for m in plane.Generate(req, timeout=20)]
+    final = messages[-1].final
+    assert final.finish_reason == common_pb2.FINISH_REASON_STOP and final.eos_token_id == 1
+    assert final.usage.completion_tokens == 2
