@@ -94,12 +94,19 @@ def sim_model(
     return SIM_MODEL.format(replicas=replicas, routing=routing, step=step, conc=conc, queue=queue)
 
 
-async def _stream(stub: generation_pb2_grpc.GenerationStub, n: int, text: str) -> str:
+async def _stream(
+    stub: generation_pb2_grpc.GenerationStub,
+    n: int,
+    text: str,
+    started: asyncio.Event | None = None,
+) -> str:
     tokens = 0
     try:
         async for msg in stub.Generate(req(n, text), timeout=60):
             if msg.HasField("chunk"):
                 tokens += len(msg.chunk.token_ids)
+                if started is not None:
+                    started.set()
             else:
                 assert msg.final.finish_reason == FR.FINISH_REASON_LENGTH
                 assert msg.final.usage.completion_tokens == tokens == n
@@ -121,8 +128,12 @@ async def test_kill_9_mid_stream_resumes_and_the_worker_rejoins(
         first = await stub.Complete(req(2), timeout=10)
         victim = first.final.worker
         pid = worker_pid(victim)
-        streams = [asyncio.create_task(_stream(stub, 300, f"s{i}")) for i in range(20)]
-        await asyncio.sleep(0.3)  # every stream has tokens by now
+        started = asyncio.Event()
+        streams = [
+            asyncio.create_task(_stream(stub, 300, f"s{i}", started)) for i in range(20)
+        ]
+        async with asyncio.timeout(30):  # kill mid-stream: once tokens flow
+            await started.wait()
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         outcomes = Counter(await asyncio.wait_for(asyncio.gather(*streams), 60))
@@ -270,11 +281,17 @@ def test_sigterm_drains_in_flight_streams(tmp_path: Path) -> None:
         first = next(call)
         assert first.HasField("chunk")
         ctl.popen.send_signal(signal.SIGTERM)
-        time.sleep(0.1)
-        with pytest.raises(grpc.RpcError):  # no longer accepting, or NOT_SERVING
-            r = health.Check(health_pb2.HealthCheckRequest(service="sim"), timeout=2)
-            assert r.status != health_pb2.HealthCheckResponse.SERVING
-            stub.Complete(req(2), timeout=2)
+        # Soon no longer SERVING (or no longer accepting), while the stream goes on.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                r = health.Check(health_pb2.HealthCheckRequest(service="sim"), timeout=2)
+            except grpc.RpcError:
+                break
+            if r.status != health_pb2.HealthCheckResponse.SERVING:
+                break
+            assert time.monotonic() < deadline, "still SERVING 10 s after SIGTERM"
+            time.sleep(0.02)
         rest = list(call)
     assert rest[-1].HasField("final")
     assert rest[-1].final.finish_reason == FR.FINISH_REASON_LENGTH

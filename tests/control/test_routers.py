@@ -110,7 +110,11 @@ def test_admin_reaches_the_supervisor_and_drains_reach_every_router(routed: Proc
         drained = listed[0].workers[0].address
         admin = admin_pb2_grpc.AdminStub(chans[-1])
         admin.DrainWorker(admin_pb2.DrainWorkerRequest(address=drained, grace_s=5), timeout=30)
-        time.sleep(2.5)  # routers follow the supervisor every second
+        # Routers follow the supervisor every second: soon no process routes there.
+        deadline = time.monotonic() + 15
+        while any(complete(ch).final.worker == drained for ch in chans for _ in range(2)):
+            assert time.monotonic() < deadline, "a router still routes to the drained worker"
+            time.sleep(0.1)
         for ch in chans:
             for _ in range(2):  # round robin would use both workers
                 assert complete(ch).final.worker != drained
