@@ -64,6 +64,7 @@ class Tally:
     started: Counter[str] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)
     bad: list[str] = field(default_factory=list)  # streams that broke the contract
+    late: Counter[str] = field(default_factory=Counter)  # final, then the client's deadline
 
     def finished(self) -> int:
         return sum(self.outcomes.values())
@@ -103,6 +104,12 @@ async def one(stub: Any, rng: random.Random, model: str, tally: Tally) -> None:
                 tally.outcomes["cancelled by the client"] += 1
                 return
     except grpc.aio.AioRpcError as err:
+        if finals and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            # The final arrived, then the client's own deadline fired before the OK
+            # trailer: the server finished too close to the deadline.
+            tally.late[f"{model}, deadline {timeout} s"] += 1
+            tally.outcomes["final, then the client's deadline"] += 1
+            return
         if finals:
             tally.bad.append(f"{model}: a status after the final: {err.code().name}")
         if err.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
@@ -258,6 +265,7 @@ async def soak(args: argparse.Namespace, address: str, pid: int) -> dict[str, An
         "outcomes": dict(tally.outcomes),
         "contract_violations": tally.bad[:50],
         "contract_violation_count": len(tally.bad),
+        "final_then_client_deadline": dict(tally.late),
         "in_flight_at_end": left,
         "kills": kills,
         "phases": phases,
@@ -296,6 +304,7 @@ def write_report(result: dict[str, Any], out_dir: Path) -> None:
     left = result["in_flight_at_end"]
     violations = result["contract_violation_count"]
     still = sum(v for v in left.values() if v > 0)
+    late = result.get("final_then_client_deadline", {}) or 0
     text = f"""# Soak
 
 `python -m bench.soak --minutes {result["minutes"]}`: {result["minutes"]} minutes through one
@@ -310,6 +319,7 @@ changing every phase, random cancels (after 0, 1 or 5 messages) and deadlines (5
 | requests finished | {result["finished"]} |
 | how they ended | {result["outcomes"]} |
 | streams without exactly one final or one status, or INTERNAL/UNKNOWN | **{violations}** |
+| streams whose final came, then the client's own deadline before the OK | {late} |
 | in flight at the end (control plane and workers) | **{still}** ({left}) |
 | workers killed | {len(result["kills"])} |
 

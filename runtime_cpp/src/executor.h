@@ -105,6 +105,13 @@ class InvalidRequest : public std::invalid_argument {
   std::string message_;
 };
 
+// The engine failed a request that was valid (INTERNAL: the control plane tries another
+// worker once). Any other exception from enqueue means the engine is unavailable.
+class EngineFault : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 class Executor {
  public:
   virtual ~Executor() = default;

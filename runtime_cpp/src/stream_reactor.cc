@@ -189,6 +189,8 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
       id = executor_.enqueue(gen);  // no lock held
     } catch (const InvalidRequest& e) {
       return refuse(attempt, grpc::StatusCode::INVALID_ARGUMENT, {e.field(), e.message()});
+    } catch (const EngineFault& e) {
+      return refuse(attempt, grpc::StatusCode::INTERNAL, {"", std::string("engine: ") + e.what()});
     } catch (const std::exception& e) {
       return refuse(attempt, grpc::StatusCode::UNAVAILABLE,
                     {"", std::string("engine: ") + e.what()});

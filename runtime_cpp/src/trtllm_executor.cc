@@ -113,7 +113,10 @@ RequestId TrtllmExecutor::enqueue(const GenRequest& r) {
     id = executor_->enqueueRequest(request);
   } catch (const std::exception& e) {
     if (!can_enqueue()) throw std::runtime_error(std::string("engine unavailable: ") + e.what());
-    throw InvalidRequest("request", e.what());
+    // The request was checked against the engine's limits (config.json) before this, so
+    // what the executor still refuses is its fault, not the client's: INTERNAL, and the
+    // control plane tries another worker once.
+    throw EngineFault(std::string("the executor refused the request: ") + e.what());
   }
   std::lock_guard<std::mutex> lock(prompt_mu_);
   prompt_tokens_[id] = static_cast<std::int32_t>(r.prompt.size());

@@ -63,6 +63,10 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
       dispatcher_.release(name_);
       finish_now(invalid_argument(e.field(), e.message()));
       return;
+    } catch (const EngineFault& e) {
+      dispatcher_.release(name_);
+      finish_now(grpc::Status(grpc::StatusCode::INTERNAL, std::string("engine: ") + e.what()));
+      return;
     } catch (const std::exception& e) {
       dispatcher_.release(name_);
       finish_now(grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string("engine: ") + e.what()));
