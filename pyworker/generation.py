@@ -135,9 +135,13 @@ class Generations:
                     await self._fail_unexpectedly(exc, state, sink)
         finally:
             # Cancellation (client gone, deadline) lands here too: generate() aborts on
-            # its own when cancelled; this guard covers the gaps around it.
-            self.release(state)
-            await self._guard_abort(state)
+            # its own when cancelled; this guard covers the gaps around it. The id is
+            # released after the abort, so that a new request with the same id can never
+            # be aborted in its place.
+            try:
+                await self._guard_abort(state)
+            finally:
+                self.release(state)
 
     async def _fail_unexpectedly(self, exc: Exception, state: InFlight, sink: Sink) -> None:
         if state.completion_tokens == 0:

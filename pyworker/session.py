@@ -47,6 +47,7 @@ class Session:
         self._closing = False
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._cancelled: set[asyncio.Task[None]] = set()
+        self._seq = itertools.count(1)
 
     async def run(self, request_iterator: Any) -> None:
         writer = asyncio.create_task(self._write_loop(), name="generate-stream writer")
@@ -88,7 +89,11 @@ class Session:
                 raise InvalidArgument.field("attempt_id", "required (nonzero) on GenerateStream")
             if attempt_id in self._tasks:
                 raise AlreadyExists(f"attempt_id {attempt_id} is already open on this stream")
-            engine_id = f"{request.request_id or 'request'}@{self._number}.{attempt_id}"
+            # Unique for every start, even one reusing the attempt id of a cancelled
+            # attempt whose abort is still on its way to the engine.
+            engine_id = (
+                f"{request.request_id or 'request'}@{self._number}.{attempt_id}.{next(self._seq)}"
+            )
             state, parsed = self._generations.admit(request, engine_id)
         except WorkerError as exc:
             self._error(attempt_id, exc)
@@ -165,11 +170,13 @@ class Session:
 
     async def _write_loop(self) -> None:
         while True:
-            await self._ready.wait()
-            self._ready.clear()
+            # The state is checked before waiting: the last events may be queued, and the
+            # stream closing, while a write is in flight; nothing would wake us after it.
             if not self._pending.events:
                 if self._closing:
                     return
+                await self._ready.wait()
+                self._ready.clear()
                 continue
             message = self._pending
             self._pending = worker_pb2.StreamResponse()

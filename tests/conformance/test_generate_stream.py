@@ -281,3 +281,21 @@ def test_attempts_sharing_a_request_id_both_complete(stub: Any, engine: str) -> 
     assert len(first) == 12 and first == second  # greedy, the same prompt
     session.close_and_drain()
     wait_nothing_in_flight(stub, within_s=2.0)
+
+
+def test_an_attempt_id_reused_after_its_cancel_runs_to_the_end(stub: Any) -> None:
+    """The control plane never reuses an attempt id, but a worker must survive a caller
+    that does: a new start right after the cancel of the same id runs to its final, and
+    the old attempt's abort, still on its way to the engine, never hits it."""
+    session = Session(stub)
+    for round_ in range(30):
+        session.start(request(max_tokens=64, request_id="r", attempt_id=1))
+        session.cancel(1)
+        session.start(request(max_tokens=2, request_id="r", attempt_id=1))
+        session.cancel(1)
+        del round_
+    session.start(request(max_tokens=3, request_id="r", attempt_id=2))
+    ids, last = session.wait(2)
+    assert last.HasField("final") and len(ids) == 3
+    session.close_and_drain()
+    wait_nothing_in_flight(stub, within_s=30)

@@ -29,3 +29,28 @@ async def test_cancelling_one_attempt_keeps_every_later_token_of_the_others() ->
     for task in idle:
         task.cancel()
     await asyncio.gather(*idle, return_exceptions=True)
+
+
+async def test_the_last_events_go_out_and_the_stream_ends_when_the_caller_closed() -> None:
+    """The final of the last attempt is queued, the attempt ends and the caller has closed
+    its side, all before the writer runs: the writer sends it and ends (it used to send it
+    and then wait forever, and the call hung until its deadline)."""
+    written: list[Any] = []
+
+    async def write(message: Any) -> None:
+        written.append(message)
+
+    session = Session(cast(Any, None), write)
+    writer = asyncio.create_task(session._write_loop())
+    await asyncio.sleep(0)  # the writer waits for news
+    idle = asyncio.create_task(asyncio.sleep(3600))
+    session._tasks = {7: idle}
+    session._final(7, worker_pb2.Final())
+    del session._tasks[7]
+    session._closing = True
+    session._ready.set()
+    async with asyncio.timeout(5):
+        await writer
+    assert [e.attempt_id for m in written for e in m.events] == [7]
+    idle.cancel()
+    await asyncio.gather(idle, return_exceptions=True)
