@@ -171,7 +171,7 @@ class Session:
     async def _write_loop(self) -> None:
         while True:
             # The state is checked before waiting: the last events may be queued, and the
-            # stream closing, while a write is in flight; nothing would wake us after it.
+            # stream begin to close, before this task wakes; nothing wakes it after that.
             if not self._pending.events:
                 if self._closing:
                     return
