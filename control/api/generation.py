@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, NoReturn
 
 import grpc
@@ -51,9 +51,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
     def __init__(self, registry: ModelRegistry) -> None:
         self._registry = registry
 
-    async def Generate(
+    async def _responses(
         self, request: generation_pb2.GenerateRequest, context: Context
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
+        """One generation's messages, for Generate (streamed) and Complete (aggregated);
+        its errors end the RPC with their status."""
         received = time.perf_counter()
         request_id = _request_id(request)
         with structlog.contextvars.bound_contextvars(request_id=request_id, model=request.model):
@@ -69,30 +71,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
             except Exception as e:
                 await _fail(context, e, request_id)
 
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: Context
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        async with contextlib.aclosing(self._responses(request, context)) as responses:
+            async for resp in responses:
+                yield resp
+
     async def Complete(
         self, request: generation_pb2.GenerateRequest, context: Context
     ) -> generation_pb2.CompleteResponse:
-        received = time.perf_counter()
-        request_id = _request_id(request)
         out = generation_pb2.CompleteResponse()
         texts: list[str] = []
-        with structlog.contextvars.bound_contextvars(request_id=request_id, model=request.model):
-            try:
-                params = parse_request(request)
-                entry = self._registry.get(params.model)
-                gen = run_generation(entry, params, received, context.time_remaining())
-                async with contextlib.aclosing(gen):
-                    async for resp in gen:
-                        if resp.HasField("chunk"):
-                            texts.append(resp.chunk.text)
-                            out.token_ids.extend(resp.chunk.token_ids)
-                            out.logprobs.extend(resp.chunk.logprobs)
-                        else:
-                            out.final.CopyFrom(resp.final)
-            except SwitchyardError as e:
-                await _abort(context, e)
-            except Exception as e:
-                await _fail(context, e, request_id)
+        async with contextlib.aclosing(self._responses(request, context)) as responses:
+            async for resp in responses:
+                if resp.HasField("chunk"):
+                    texts.append(resp.chunk.text)
+                    out.token_ids.extend(resp.chunk.token_ids)
+                    out.logprobs.extend(resp.chunk.logprobs)
+                else:
+                    out.final.CopyFrom(resp.final)
         out.text = "".join(texts)
         return out
 
