@@ -194,7 +194,10 @@ async def serve(
             start.result()
             await stopper
         else:
+            # Asked to stop while models load: let the load clean up (stop the workers
+            # it started) before the process goes, or they outlive it.
             start.cancel()
+            await asyncio.gather(start, return_exceptions=True)
     except (StartupError, OSError, RuntimeError) as e:
         log.error("startup failed", error=str(e))
         code = 1
