@@ -10,9 +10,9 @@ cd "$root"
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 
 # 1. System packages: a C++ toolchain, CMake and Ninja, and for the C++ worker gRPC,
-#    protobuf and GoogleTest from Debian.
+#    protobuf, GoogleTest and nlohmann-json (the engine config.json parser) from Debian.
 apt_packages=(build-essential cmake ninja-build git pkg-config libgrpc++-dev libprotobuf-dev
-  protobuf-compiler protobuf-compiler-grpc libgtest-dev)
+  protobuf-compiler protobuf-compiler-grpc libgtest-dev nlohmann-json3-dev)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

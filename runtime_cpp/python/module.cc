@@ -95,7 +95,16 @@ PYBIND11_MODULE(switchyard_runtime, m) {
       .def_readonly("max_context", &EngineInfo::max_context)
       .def_readonly("vocab_size", &EngineInfo::vocab_size)
       .def_readonly("eos_token_ids", &EngineInfo::eos_token_ids)
-      .def_readonly("tokens_per_block", &EngineInfo::tokens_per_block);
+      .def_readonly("tokens_per_block", &EngineInfo::tokens_per_block)
+      .def_readonly("tensor_parallel_size", &EngineInfo::tensor_parallel_size)
+      .def_readonly("pipeline_parallel_size", &EngineInfo::pipeline_parallel_size)
+      .def_readonly("quantization", &EngineInfo::quantization)
+      .def_readonly("weight_dtype", &EngineInfo::weight_dtype)
+      .def_readonly("kv_cache_dtype", &EngineInfo::kv_cache_dtype)
+      .def_readonly("kv_blocks_total", &EngineInfo::kv_blocks_total)
+      .def_readonly("max_input_len", &EngineInfo::max_input_len)
+      .def_readonly("max_batch_size", &EngineInfo::max_batch_size)
+      .def_readonly("max_num_tokens", &EngineInfo::max_num_tokens);
 
   py::register_exception<InvalidRequest>(m, "InvalidRequest", PyExc_ValueError);
 
@@ -122,6 +131,8 @@ PYBIND11_MODULE(switchyard_runtime, m) {
       .def_readwrite("decode_step_us", &SimConfig::decode_step_us)
       .def_readwrite("decode_us_per_request", &SimConfig::decode_us_per_request)
       .def_readwrite("eos_every", &SimConfig::eos_every)
+      .def_readwrite("end_id_in_output", &SimConfig::end_id_in_output,
+                     "False: TensorRT-LLM's convention, the end id left out of the output")
       .def_readwrite("time_scale", &SimConfig::time_scale)
       .def_readwrite("virtual_clock", &SimConfig::virtual_clock)
       .def_readwrite("prefix_cache_blocks", &SimConfig::prefix_cache_blocks);

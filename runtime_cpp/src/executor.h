@@ -89,6 +89,22 @@ struct EngineInfo {
   std::int32_t vocab_size = 0;
   std::vector<TokenId> eos_token_ids;
   std::int32_t tokens_per_block = 0;
+  // What the engine is and holds (GetInfo). 0 or "" where the engine does not say.
+  std::int32_t tensor_parallel_size = 1;
+  std::int32_t pipeline_parallel_size = 1;
+  std::string quantization;     // "" for none
+  std::string weight_dtype;
+  std::string kv_cache_dtype;
+  std::int32_t kv_blocks_total = 0;  // 0: known only once the engine has run (latest_stats)
+  std::int32_t max_input_len = 0;    // longest prompt; max_context where not separate
+  std::int32_t max_batch_size = 0;
+  std::int32_t max_num_tokens = 0;
+};
+
+// Memory on the GPUs an executor uses, at the time of the call; zeros without GPUs.
+struct GpuMemory {
+  std::uint64_t used_bytes = 0;
+  std::uint64_t total_bytes = 0;
 };
 
 // A request the engine refuses; the message names the field.
@@ -129,6 +145,7 @@ class Executor {
   virtual std::optional<IterationStats> latest_stats() = 0;
   virtual bool can_enqueue() const = 0;
   virtual EngineInfo info() const = 0;
+  virtual GpuMemory gpu_memory() const { return {}; }
   // Stops the engine; pending requests are dropped. Idempotent.
   virtual void shutdown() = 0;
 };

@@ -14,11 +14,14 @@
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <optional>
+#include <sstream>
 #include <memory>
 #include <string>
 #include <thread>
 
 #include "dispatcher.h"
+#include "engine_config.h"
 #include "sim_executor.h"
 #include "worker_service.h"
 #ifdef SWITCHYARD_WITH_TRTLLM
@@ -51,13 +54,24 @@ const char* kUsage =
     "usage: switchyard-cpp-worker --engine sim|trtllm --port N [--host 127.0.0.1]\n"
     "  [--model NAME_OR_ENGINE_DIR] [--grace-s 10]\n"
     "  sim (a simulator, not an engine): [--sim-vocab-size 32000] [--sim-max-context 4096]\n"
-    "    [--sim-eos-id 2] [--sim-eos-every 0] [--sim-tokens-per-block 32] [--sim-kv-blocks 4096]\n"
-    "    [--sim-max-batch 256] [--sim-prefill-us-per-token 20] [--sim-decode-step-us 2000]\n"
+    "    [--sim-eos-id 2] [--sim-eos-every 0] [--sim-eos-convention vllm|trtllm]\n"
+    "    [--sim-tokens-per-block 32] [--sim-kv-blocks 4096] [--sim-max-batch 256]\n"
+    "    [--sim-prefill-us-per-token 20] [--sim-decode-step-us 2000]\n"
     "    [--sim-decode-us-per-request 20] [--sim-time-scale 1]\n"
-    "  trtllm: [--max-batch-size 64] [--kv-cache-free-gpu-memory-fraction 0.9]\n"
+    "  trtllm (limits, vocabulary and block size come from the engine's config.json):\n"
+    "    [--tokenizer DIR] [--eos-id ID[,ID...]] [--vocab-size TOKENIZER_VOCAB]\n"
+    "    [--max-context N] [--max-batch-size N] [--tokens-per-block N]\n"
+    "    [--enable-chunked-context 0|1] [--kv-cache-free-gpu-memory-fraction 0.9]\n"
     "    [--max-tokens-in-kv-cache N] [--enable-kv-cache-reuse 1]\n"
     "    [--scheduler-policy guaranteed_no_evict|max_utilization]\n"
-    "    [--max-context 4096] [--vocab-size 32000] [--eos-id 2]\n";
+    "    [--executor-worker PATH] [--gpus-visible N] [--trtllm-version MAJOR.MINOR]\n"
+    "  switchyard-cpp-worker --check-engine ENGINE_DIR [trtllm flags]: read and check the\n"
+    "    engine directory, print what GetInfo would report as JSON, exit 0 (or 2: the field)\n";
+
+void log(const std::string& event, const std::string& fields = "") {
+  // One line per event, key=value, on stderr (the Python side's console format).
+  std::cerr << "[cpp-worker] " << event << (fields.empty() ? "" : " ") << fields << std::endl;
+}
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -75,6 +89,61 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
+std::int32_t int_flag(const Args& a, const std::string& k) {
+  const double v = a.num(k, 0);
+  if (v != static_cast<double>(static_cast<std::int32_t>(v))) {
+    throw std::invalid_argument("--" + k + ": not an integer: " + a.get(k, ""));
+  }
+  return static_cast<std::int32_t>(v);
+}
+
+std::optional<std::int32_t> opt_int(const Args& a, const std::string& k) {
+  if (!a.kv.count(k)) return std::nullopt;
+  return int_flag(a, k);
+}
+
+// What the trtllm flags and the machine say, for resolve_engine().
+switchyard::rt::EngineChecks engine_checks(const Args& a) {
+  switchyard::rt::EngineChecks c;
+#ifdef SWITCHYARD_WITH_TRTLLM
+  c.runtime_version = switchyard::rt::trtllm_runtime_version();
+  c.gpus_visible = switchyard::rt::cuda_device_count();
+#else
+  if (a.kv.count("trtllm-version")) c.runtime_version = a.get("trtllm-version", "");
+  c.gpus_visible = switchyard::rt::gpus_from_cuda_visible_devices(std::getenv("CUDA_VISIBLE_DEVICES"));
+#endif
+  if (a.kv.count("gpus-visible")) c.gpus_visible = int_flag(a, "gpus-visible");
+  c.tokenizer_vocab_size = opt_int(a, "vocab-size");
+  if (a.kv.count("eos-id")) {
+    std::stringstream in(a.get("eos-id", ""));
+    std::string item;
+    while (std::getline(in, item, ',')) {
+      char* end = nullptr;
+      const long id = std::strtol(item.c_str(), &end, 10);
+      if (item.empty() || *end != '\0' || id < 0) {
+        throw std::invalid_argument("--eos-id: not a token id: " + item);
+      }
+      c.eos_ids.push_back(static_cast<switchyard::rt::TokenId>(id));
+    }
+  }
+  if (a.kv.count("tokenizer")) c.tokenizer_dir = a.get("tokenizer", "");
+  c.max_context = opt_int(a, "max-context");
+  c.max_batch_size = opt_int(a, "max-batch-size");
+  c.tokens_per_block = opt_int(a, "tokens-per-block");
+  if (a.kv.count("enable-chunked-context")) {
+    c.enable_chunked_context = a.num("enable-chunked-context", 0) != 0;
+  }
+  return c;
+}
+
+switchyard::rt::ResolvedEngine resolve(const Args& a, const std::string& engine_dir) {
+  if (engine_dir.empty()) {
+    throw switchyard::rt::EngineConfigError("--model", "the TensorRT-LLM engine directory is required");
+  }
+  return switchyard::rt::resolve_engine(switchyard::rt::read_engine_config(engine_dir),
+                                        engine_checks(a));
+}
+
 std::unique_ptr<Executor> make_executor(const Args& a) {
   const std::string engine = a.get("engine", "sim");
   if (engine == "sim") {
@@ -84,6 +153,12 @@ std::unique_ptr<Executor> make_executor(const Args& a) {
     c.max_context = static_cast<int>(a.num("sim-max-context", c.max_context));
     c.eos_id = static_cast<int>(a.num("sim-eos-id", c.eos_id));
     c.eos_every = static_cast<int>(a.num("sim-eos-every", c.eos_every));
+    const std::string convention = a.get("sim-eos-convention", "vllm");
+    if (convention != "vllm" && convention != "trtllm") {
+      throw std::invalid_argument("--sim-eos-convention: expected vllm or trtllm, got " +
+                                  convention);
+    }
+    c.end_id_in_output = convention == "vllm";
     c.tokens_per_block = static_cast<int>(a.num("sim-tokens-per-block", c.tokens_per_block));
     c.kv_blocks = static_cast<int>(a.num("sim-kv-blocks", c.kv_blocks));
     c.max_batch = static_cast<int>(a.num("sim-max-batch", c.max_batch));
@@ -97,31 +172,26 @@ std::unique_ptr<Executor> make_executor(const Args& a) {
 #ifdef SWITCHYARD_WITH_TRTLLM
     switchyard::rt::TrtllmOptions o;
     o.engine_dir = a.get("model", "");
-    o.max_batch_size = static_cast<int>(a.num("max-batch-size", o.max_batch_size));
+    o.engine = resolve(a, o.engine_dir);  // before the executor exists
+    for (const auto& note : o.engine.notes) log("engine check", note);
     o.free_gpu_memory_fraction =
         static_cast<float>(a.num("kv-cache-free-gpu-memory-fraction", o.free_gpu_memory_fraction));
-    if (a.kv.count("max-tokens-in-kv-cache")) {
-      o.max_tokens_in_kv_cache = static_cast<int>(a.num("max-tokens-in-kv-cache", 0));
-    }
+    o.max_tokens_in_kv_cache = opt_int(a, "max-tokens-in-kv-cache");
     o.enable_block_reuse = a.num("enable-kv-cache-reuse", 1) != 0;
     o.scheduler_policy = a.get("scheduler-policy", o.scheduler_policy);
-    o.max_context = static_cast<int>(a.num("max-context", o.max_context));
-    o.vocab_size = static_cast<int>(a.num("vocab-size", o.vocab_size));
-    if (a.kv.count("eos-id")) o.eos_token_ids = {static_cast<int>(a.num("eos-id", 2))};
+    o.worker_executable = a.get("executor-worker", SWITCHYARD_TRTLLM_EXECUTOR_WORKER);
+    log("engine", switchyard::rt::to_json(o.engine));
     return std::make_unique<switchyard::rt::TrtllmExecutor>(o);
 #else
     throw std::invalid_argument(
         "--engine trtllm: this binary was built without TensorRT-LLM "
-        "(configure CMake with -DTRTLLM_ROOT=...)");
+        "(configure CMake with -DTRTLLM_ROOT=...); --check-engine DIR checks an engine "
+        "directory without it");
 #endif
   }
   throw std::invalid_argument("--engine: expected sim or trtllm, got " + engine);
 }
 
-void log(const std::string& event, const std::string& fields = "") {
-  // One line per event, key=value, on stderr (the Python side's console format).
-  std::cerr << "[cpp-worker] " << event << (fields.empty() ? "" : " ") << fields << std::endl;
-}
 
 }  // namespace
 
@@ -138,10 +208,26 @@ int main(int argc, char** argv) {
   double grace_s = 10;
   try {
     args = parse(argc, argv);
+    if (args.kv.count("check-engine")) {
+      // Read and check an engine directory, as --engine trtllm would before its executor.
+      try {
+        std::cout << switchyard::rt::to_json(resolve(args, args.get("check-engine", ""))) << "\n";
+        return 0;
+      } catch (const switchyard::rt::EngineConfigError& e) {
+        std::cerr << "switchyard-cpp-worker: engine " << args.get("check-engine", "") << ": "
+                  << e.what() << std::endl;
+        return 2;
+      }
+    }
     if (!args.kv.count("port")) throw std::invalid_argument("--port is required");
     grace_s = args.num("grace-s", grace_s);
     log("loading engine", "engine=" + args.get("engine", "sim"));
     executor = make_executor(args);
+  } catch (const switchyard::rt::EngineConfigError& e) {
+    // One line naming the field: the engine directory, a flag or the machine disagree.
+    std::cerr << "switchyard-cpp-worker: engine " << args.get("model", "") << ": " << e.what()
+              << std::endl;
+    return 2;
   } catch (const std::exception& e) {
     std::cerr << "switchyard-cpp-worker: " << e.what() << "\n" << kUsage;
     return 2;

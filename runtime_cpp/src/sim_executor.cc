@@ -158,6 +158,10 @@ EngineInfo SimExecutor::info() const {
   i.vocab_size = config_.vocab_size;
   i.eos_token_ids = {config_.eos_id};
   i.tokens_per_block = config_.tokens_per_block;
+  // A simulator: one "GPU", no weights and no quantization to speak of.
+  i.kv_blocks_total = config_.kv_blocks;
+  i.max_input_len = config_.max_context - 1;  // a prompt leaves room for one token
+  i.max_batch_size = config_.max_batch;
   return i;
 }
 
@@ -357,10 +361,11 @@ double SimExecutor::run_iteration_locked(std::vector<GenResponse>& out,
     GenResponse r;
     r.id = l.id;
     r.tokens = std::move(l.held);
-    r.tokens.push_back(tok);
-    if (rq.return_logprobs) {
-      r.logprobs = std::move(l.held_logprobs);
-      r.logprobs.push_back(logprob);
+    r.logprobs = std::move(l.held_logprobs);
+    // TensorRT-LLM's convention: the end id that ended the generation is not an output token.
+    if (why != FinishReason::kEndId || config_.end_id_in_output) {
+      r.tokens.push_back(tok);
+      if (rq.return_logprobs) r.logprobs.push_back(logprob);
     }
     if (why != FinishReason::kNotFinished) {
       r.is_final = true;

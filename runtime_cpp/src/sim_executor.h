@@ -9,6 +9,7 @@
 //   max_tokens when admitted; requests that do not fit wait in the queue.
 // - Prefix cache: full prompt blocks are remembered (LRU), and a later prompt that starts
 //   with them skips their prefill; reported as cached prompt tokens.
+// - EOS: end_id_in_output picks vLLM's convention or TensorRT-LLM's (end id left out).
 // - Clock: real time (a thread runs iterations and sleeps their modeled cost, scaled by
 //   time_scale), or virtual (no thread; the caller drives step()).
 #pragma once
@@ -42,6 +43,10 @@ struct SimConfig {
   // When > 0 and a request has an end id, a position whose hash is divisible by
   // eos_every (after min_tokens) emits the end id instead.
   std::int32_t eos_every = 0;
+  // vLLM's convention (true): a generation that ends on the end id has it as its last output
+  // token. TensorRT-LLM's samplers leave it out (false); the worker puts it back
+  // (normalize_end_id in translate.h), so both conventions look the same on the wire.
+  bool end_id_in_output = true;
   double time_scale = 1.0;   // real-time mode: sleep modeled cost * time_scale
   bool virtual_clock = false;
   std::int32_t prefix_cache_blocks = 8192;

@@ -110,6 +110,7 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
     auto it = requests_.find(attempt);
     if (it == requests_.end() || it->second.id != r.id) return;  // cancelled meanwhile
     Request& req = it->second;
+    normalize_end_id(&r, req.end_id, req.last_token);
     if (!r.tokens.empty()) {
       if (req.first_token_ms < 0) {
         req.first_token_ms = std::chrono::duration<double, std::milli>(Clock::now() - req.started)
@@ -148,6 +149,7 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
     Clock::time_point started;
     std::int32_t completion_tokens = 0;
     std::optional<TokenId> last_token;
+    std::optional<TokenId> end_id;  // the request's, for normalize_end_id
     double first_token_ms = -1;
   };
 
@@ -201,7 +203,10 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
       std::lock_guard<std::mutex> lock(mu_);
       auto it = requests_.find(attempt);
       gone = it == requests_.end();  // the call was cancelled during the enqueue
-      if (!gone) it->second.id = id;
+      if (!gone) {
+        it->second.id = id;
+        it->second.end_id = gen.end_id;
+      }
     }
     if (gone) {
       cancel_quietly(id);

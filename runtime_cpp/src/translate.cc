@@ -34,6 +34,11 @@ bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, doub
                "the prompt has " + std::to_string(n) + " tokens; the context is " +
                    std::to_string(info.max_context));
   }
+  if (info.max_input_len > 0 && n > info.max_input_len) {
+    return bad(error, "prompt_token_ids",
+               "the prompt has " + std::to_string(n) + " tokens; the engine takes at most " +
+                   std::to_string(info.max_input_len) + " (max_input_len)");
+  }
   if (in.max_tokens() < 1) return bad(error, "max_tokens", "must be at least 1");
   if (static_cast<std::int64_t>(n) + in.max_tokens() > info.max_context) {
     return bad(error, "max_tokens",
@@ -114,6 +119,17 @@ bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, doub
     out->allotted_time = std::chrono::milliseconds(static_cast<std::int64_t>(deadline_ms));
   }
   return true;
+}
+
+void normalize_end_id(GenResponse* r, std::optional<TokenId> end_id,
+                      std::optional<TokenId> last_streamed) {
+  if (!r->is_final || r->finish != FinishReason::kEndId || !end_id || !r->error.empty()) return;
+  const std::optional<TokenId> last = r->tokens.empty() ? last_streamed
+                                                        : std::optional<TokenId>(r->tokens.back());
+  // The end id stops generation the moment it is sampled, so an output that already ends
+  // with it came from an engine that includes it (vLLM's convention, or a release that does).
+  if (last == end_id) return;
+  r->tokens.push_back(*end_id);
 }
 
 void append_chunk(const GenResponse& r, wv1::Chunk* chunk) {

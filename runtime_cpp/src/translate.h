@@ -22,6 +22,14 @@ struct FieldError {
 bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, double deadline_ms,
                     GenRequest* out, FieldError* error);
 
+// One EOS convention on the wire, vLLM's: a generation that ends on its end id streams the
+// end id as its last token, and it counts as a completion token. TensorRT-LLM's samplers
+// leave the end id out of the output; this puts it back on the final response of a request
+// that ended with kEndId, unless the engine already included it (`last_streamed` is the last
+// token the request's earlier responses carried). `end_id` is the request's.
+void normalize_end_id(GenResponse* r, std::optional<TokenId> end_id,
+                      std::optional<TokenId> last_streamed);
+
 // Appends tokens (and logprobs) of one engine response to a chunk being coalesced.
 void append_chunk(const GenResponse& r, wv1::Chunk* chunk);
 

@@ -4,6 +4,8 @@
 #include <filesystem>
 #include <list>
 
+#include <cuda_runtime_api.h>
+
 #include "tensorrt_llm/executor/executor.h"
 
 namespace switchyard::rt {
@@ -23,17 +25,31 @@ tle::SchedulerConfig scheduler_config(const std::string& policy) {
 }
 
 tle::ExecutorConfig executor_config(const TrtllmOptions& o) {
+  const ResolvedEngine& e = o.engine;
   tle::KvCacheConfig kv;
   kv.setEnableBlockReuse(o.enable_block_reuse);
   kv.setFreeGpuMemoryFraction(o.free_gpu_memory_fraction);
   if (o.max_tokens_in_kv_cache) kv.setMaxTokens(*o.max_tokens_in_kv_cache);
   tle::ExecutorConfig config;
-  config.setMaxBeamWidth(o.max_beam_width);
-  config.setMaxBatchSize(o.max_batch_size);
+  config.setMaxBeamWidth(1);  // sampling, never beam search
+  config.setMaxBatchSize(e.max_batch_size);
+  if (e.config.max_num_tokens > 0) config.setMaxNumTokens(e.config.max_num_tokens);
   config.setSchedulerConfig(scheduler_config(o.scheduler_policy));
   config.setKvCacheConfig(kv);
-  config.setEnableChunkedContext(o.enable_chunked_context);
+  // Only where the engine allows it (paged context FMHA into a paged KV cache).
+  config.setEnableChunkedContext(e.enable_chunked_context);
   config.setIterStatsMaxIterations(1000);
+  if (e.config.world_size > 1) {
+    // Orchestrator mode: this process enqueues and awaits; TensorRT-LLM spawns one worker
+    // process per rank (MPI), on devices 0..world-1 of those visible.
+    std::vector<tle::SizeType32> devices(static_cast<std::size_t>(e.config.world_size));
+    for (std::size_t i = 0; i < devices.size(); ++i) devices[i] = static_cast<tle::SizeType32>(i);
+    tle::OrchestratorConfig orchestrator(/*isOrchestrator=*/true, o.worker_executable);
+    tle::ParallelConfig parallel(tle::CommunicationType::kMPI,
+                                 tle::CommunicationMode::kORCHESTRATOR, devices,
+                                 /*participantIds=*/std::nullopt, orchestrator);
+    config.setParallelConfig(parallel);
+  }
   return config;
 }
 
@@ -76,6 +92,17 @@ FinishReason from_trtllm(tle::FinishReason r) {
 }
 
 }  // namespace
+
+std::string trtllm_runtime_version() { return tle::version(); }
+
+std::int32_t cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear it: no GPUs is an answer, not an error for later calls
+    return 0;
+  }
+  return n;
+}
 
 TrtllmExecutor::TrtllmExecutor(TrtllmOptions options) : options_(std::move(options)) {
   if (options_.engine_dir.empty()) {
@@ -148,12 +175,17 @@ std::vector<GenResponse> TrtllmExecutor::await_responses(std::chrono::millisecon
       }
       g.is_final = result.isFinal;
       if (result.isFinal && !result.finishReasons.empty()) {
+        // kEND_ID: the end id is not among outputTokenIds; the worker puts it back
+        // (normalize_end_id), so stop reason and usage follow vLLM's convention.
         g.finish = from_trtllm(result.finishReasons.front());
       }
       if (result.requestPerfMetrics) {
         const auto& t = result.requestPerfMetrics->timingMetrics;
         g.queue_ms = std::chrono::duration<double, std::milli>(t.firstScheduledTime - t.arrivalTime)
                          .count();
+        // Per request: the KV blocks its prompt found in the reuse tree.
+        g.cached_prompt_tokens = result.requestPerfMetrics->kvCacheMetrics.numReusedBlocks *
+                                 options_.engine.config.tokens_per_block;
       }
     }
     if (g.is_final) {
@@ -163,6 +195,8 @@ std::vector<GenResponse> TrtllmExecutor::await_responses(std::chrono::millisecon
         g.prompt_tokens = it->second;
         prompt_tokens_.erase(it);
       }
+      // Reuse is counted in whole blocks; at least the last prompt token is computed.
+      g.cached_prompt_tokens = std::max(0, std::min(g.cached_prompt_tokens, g.prompt_tokens - 1));
     }
     out.push_back(std::move(g));
   }
@@ -213,13 +247,31 @@ bool TrtllmExecutor::can_enqueue() const {
 EngineInfo TrtllmExecutor::info() const {
   EngineInfo i;
   i.engine = "trtllm";
-  i.engine_version = "tensorrt_llm executor";
+  i.engine_version = "TensorRT-LLM " + trtllm_runtime_version();
   i.model = options_.engine_dir;
-  i.max_context = options_.max_context;
-  i.vocab_size = options_.vocab_size;
-  i.eos_token_ids = options_.eos_token_ids;
-  i.tokens_per_block = options_.tokens_per_block;
+  fill_engine_info(options_.engine, &i);
   return i;
+}
+
+GpuMemory TrtllmExecutor::gpu_memory() const {
+  // Device-wide figures of the GPUs the engine runs on (every rank's process included).
+  GpuMemory m;
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess) {
+    cudaGetLastError();
+    return m;
+  }
+  for (int d = 0; d < options_.engine.config.world_size; ++d) {
+    std::size_t free = 0, total = 0;
+    if (cudaSetDevice(d) != cudaSuccess || cudaMemGetInfo(&free, &total) != cudaSuccess) {
+      cudaGetLastError();
+      continue;
+    }
+    m.used_bytes += total - free;
+    m.total_bytes += total;
+  }
+  cudaSetDevice(previous);
+  return m;
 }
 
 void TrtllmExecutor::shutdown() {

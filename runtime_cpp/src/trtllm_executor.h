@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "engine_config.h"
 #include "executor.h"
 
 namespace tensorrt_llm::executor {
@@ -22,19 +23,22 @@ namespace switchyard::rt {
 
 struct TrtllmOptions {
   std::string engine_dir;                 // a built TensorRT-LLM engine directory
-  std::int32_t max_batch_size = 64;
-  std::int32_t max_beam_width = 1;
+  // The engine's config.json, checked (engine_config.h): limits, vocabulary, EOS ids, block
+  // size, parallel sizes and whether chunked context is allowed come from here.
+  ResolvedEngine engine;
   float free_gpu_memory_fraction = 0.9f;  // of what is free after the weights load
   std::optional<std::int32_t> max_tokens_in_kv_cache;
   bool enable_block_reuse = true;         // prefix caching
   std::string scheduler_policy = "guaranteed_no_evict";  // or max_utilization
-  bool enable_chunked_context = true;
-  // The model's facts the engine directory does not hand back through this API.
-  std::int32_t max_context = 4096;
-  std::int32_t vocab_size = 32000;
-  std::vector<TokenId> eos_token_ids{2};
-  std::int32_t tokens_per_block = 32;
+  // Orchestrator mode (world size > 1): the executorWorker binary TensorRT-LLM spawns for
+  // every rank; "" leaves TensorRT-LLM's default.
+  std::string worker_executable;
 };
+
+// TensorRT-LLM's version as the library reports it ("1.0.0").
+std::string trtllm_runtime_version();
+// GPUs the CUDA runtime sees (after CUDA_VISIBLE_DEVICES); 0 when CUDA reports an error.
+std::int32_t cuda_device_count();
 
 class TrtllmExecutor final : public Executor {
  public:
@@ -47,6 +51,7 @@ class TrtllmExecutor final : public Executor {
   std::optional<IterationStats> latest_stats() override;
   bool can_enqueue() const override;
   EngineInfo info() const override;
+  GpuMemory gpu_memory() const override;
   void shutdown() override;
 
  private:
@@ -55,7 +60,7 @@ class TrtllmExecutor final : public Executor {
   std::mutex stats_mu_;
   std::optional<IterationStats> stats_;
   std::mutex prompt_mu_;
-  std::unordered_map<RequestId, std::int32_t> prompt_tokens_;
+  std::unordered_map<RequestId, std::int32_t> prompt_tokens_;  // until the final
   std::atomic<bool> shut_down_{false};
 };
 

@@ -51,6 +51,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
     }
     name_ = req.request_id();
     eos_ids_ = info.eos_token_ids;
+    end_id_ = gen.end_id;
     // Claim the id before the engine sees anything: a duplicate costs it nothing.
     if (!dispatcher_.reserve(name_)) {
       finish_now(grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
@@ -86,6 +87,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
     if (r.is_final) request_over_.store(true);
     std::unique_lock<std::mutex> lock(mu_);
     if (finished_) return;
+    normalize_end_id(&r, end_id_, last_token_);
     if (first_token_ms_ < 0 && !r.tokens.empty()) first_token_ms_ = ms_since(started_);
     if (!r.tokens.empty()) last_token_ = r.tokens.back();
     completion_tokens_ += static_cast<std::int32_t>(r.tokens.size());
@@ -191,6 +193,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
   std::int32_t completion_tokens_ = 0;
   std::optional<TokenId> last_token_;
   std::vector<TokenId> eos_ids_;
+  std::optional<TokenId> end_id_;  // the request's, for normalize_end_id
   double first_token_ms_ = -1;
   bool write_in_flight_ = false;
   bool final_sent_ = false;
@@ -329,6 +332,27 @@ grpc::ServerUnaryReactor* WorkerService::GetInfo(grpc::CallbackServerContext* co
   for (auto id : info_.eos_token_ids) response->add_eos_token_ids(static_cast<std::uint32_t>(id));
   response->set_kv_block_size(static_cast<std::uint32_t>(info_.tokens_per_block));
   response->set_generate_stream(true);
+  response->set_tensor_parallel_size(static_cast<std::uint32_t>(info_.tensor_parallel_size));
+  response->set_pipeline_parallel_size(static_cast<std::uint32_t>(info_.pipeline_parallel_size));
+  response->set_quantization(info_.quantization);
+  response->set_weight_dtype(info_.weight_dtype);
+  response->set_kv_cache_dtype(info_.kv_cache_dtype);
+  response->set_max_input_len(static_cast<std::uint32_t>(info_.max_input_len));
+  response->set_max_batch_size(static_cast<std::uint32_t>(info_.max_batch_size));
+  response->set_max_num_tokens(static_cast<std::uint32_t>(info_.max_num_tokens));
+  // Known only once the engine has run where the engine sizes its cache at start-up.
+  std::int32_t blocks = info_.kv_blocks_total;
+  try {
+    if (blocks == 0) {
+      if (auto s = executor_.latest_stats()) blocks = s->kv_blocks_max;  // no lock held
+    }
+    const GpuMemory memory = executor_.gpu_memory();
+    response->set_gpu_memory_used_bytes(memory.used_bytes);
+    response->set_gpu_memory_total_bytes(memory.total_bytes);
+  } catch (const std::exception&) {
+    // The engine is going away; the static facts still answer.
+  }
+  response->set_kv_blocks_total(static_cast<std::uint32_t>(std::max(0, blocks)));
   auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -401,6 +425,7 @@ void WorkerService::fill_load(wv1::LoadReport* report) {
     }
     report->set_generation_tokens_per_s(rate_);
   }
+  report->set_gpu_memory_used_bytes(executor_.gpu_memory().used_bytes);
   report->set_timestamp_s(
       std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
 }

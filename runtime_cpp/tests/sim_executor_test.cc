@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 
 #include "sim_executor.h"
@@ -245,6 +246,27 @@ TEST(SimExecutor, RealTimeModeRunsOnItsOwnThread) {
   sim.shutdown();
   sim.shutdown();  // idempotent
   EXPECT_FALSE(sim.can_enqueue());
+}
+
+// TensorRT-LLM's convention: the same generation, with the end id left out of the output.
+TEST(SimExecutor, TrtllmEosConventionLeavesTheEndIdOut) {
+  auto c = virtual_config();
+  c.eos_every = 3;
+  SimExecutor vllm(c);
+  c.end_id_in_output = false;
+  SimExecutor trt(c);
+  GenRequest e = request({4, 5, 6}, 200);
+  e.end_id = 2;
+  std::map<RequestId, Tokens> a, b;
+  const auto ia = vllm.enqueue(e);
+  const auto ib = trt.enqueue(e);
+  auto fa = run_all(vllm, &a);
+  auto fb = run_all(trt, &b);
+  ASSERT_EQ(fa[ia].finish, FinishReason::kEndId);
+  ASSERT_EQ(fb[ib].finish, FinishReason::kEndId);
+  EXPECT_EQ(a[ia].back(), 2);
+  ASSERT_EQ(b[ib].size() + 1, a[ia].size());
+  EXPECT_TRUE(std::equal(b[ib].begin(), b[ib].end(), a[ia].begin()));
 }
 
 }  // namespace

@@ -164,5 +164,68 @@ TEST(Translate, ResponsesMapToChunksAndFinals) {
   EXPECT_EQ(word.stop_token_id(), 9u);
 }
 
+// TensorRT-LLM leaves the end id out of its output; the worker streams it as the last token
+// (vLLM's convention), so the stop reason names it and completion_tokens count it.
+TEST(Translate, NormalizeEndIdPutsTheEndIdBackOnce) {
+  GenResponse trt;
+  trt.is_final = true;
+  trt.finish = FinishReason::kEndId;
+  trt.tokens = {7, 8};  // what TensorRT-LLM sends: no end id
+  normalize_end_id(&trt, TokenId{2}, std::nullopt);
+  EXPECT_EQ(trt.tokens, (Tokens{7, 8, 2}));
+  wv1::Final out;
+  fill_final(trt, 3, std::nullopt, {2, 3}, &out);
+  EXPECT_EQ(out.eos_token_id(), 2u);  // not 8, the last ordinary token
+
+  // Streaming: the final often carries no tokens of its own.
+  GenResponse empty_final;
+  empty_final.is_final = true;
+  empty_final.finish = FinishReason::kEndId;
+  normalize_end_id(&empty_final, TokenId{2}, TokenId{8});
+  EXPECT_EQ(empty_final.tokens, (Tokens{2}));
+
+  // An engine that already includes it (vLLM's convention) is left alone.
+  GenResponse vllm;
+  vllm.is_final = true;
+  vllm.finish = FinishReason::kEndId;
+  vllm.tokens = {7, 2};
+  normalize_end_id(&vllm, TokenId{2}, std::nullopt);
+  EXPECT_EQ(vllm.tokens, (Tokens{7, 2}));
+  GenResponse after;  // the end id came in an earlier response
+  after.is_final = true;
+  after.finish = FinishReason::kEndId;
+  normalize_end_id(&after, TokenId{2}, TokenId{2});
+  EXPECT_TRUE(after.tokens.empty());
+
+  // Other endings, errors and requests without an end id are untouched.
+  for (FinishReason f : {FinishReason::kLength, FinishReason::kStopWords, FinishReason::kCancelled}) {
+    GenResponse r;
+    r.is_final = true;
+    r.finish = f;
+    r.tokens = {7};
+    normalize_end_id(&r, TokenId{2}, std::nullopt);
+    EXPECT_EQ(r.tokens, (Tokens{7}));
+  }
+  GenResponse no_end;
+  no_end.is_final = true;
+  no_end.finish = FinishReason::kEndId;
+  normalize_end_id(&no_end, std::nullopt, TokenId{5});
+  EXPECT_TRUE(no_end.tokens.empty());
+  GenResponse not_final;
+  not_final.finish = FinishReason::kEndId;
+  normalize_end_id(&not_final, TokenId{2}, TokenId{5});
+  EXPECT_TRUE(not_final.tokens.empty());
+}
+
+TEST(Translate, PromptLongerThanTheEnginesInputLimitNamesTheField) {
+  EngineInfo i = info();
+  i.max_input_len = 2;
+  GenRequest out;
+  FieldError err;
+  ASSERT_FALSE(to_gen_request(valid(), i, -1, &out, &err));  // 3 prompt tokens
+  EXPECT_EQ(err.field, "prompt_token_ids");
+  EXPECT_NE(err.message.find("max_input_len"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace switchyard::rt
