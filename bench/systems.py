@@ -7,6 +7,7 @@ settings; only one engine runs at a time (this machine has two cores).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -24,7 +26,28 @@ from control.fleet.supervisor import cpp_worker_binary, free_port
 
 log = structlog.get_logger(__name__)
 
-ENGINE_ARGS = ["--max-model-len", "2048", "--max-num-batched-tokens", "16384", "--dtype", "float32"]
+# The engine settings every system gets, as vLLM's AsyncEngineArgs names them.
+ENGINE_SETTINGS: dict[str, Any] = {
+    "max_model_len": 2048,
+    "max_num_batched_tokens": 16384,
+    "dtype": "float32",
+}
+
+
+def vllm_flags(settings: dict[str, Any]) -> list[str]:
+    """The same settings as vLLM's own servers take them on their command line."""
+    flags: list[str] = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            flags.append("--no-" + key.replace("_", "-"))
+        else:
+            flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return flags
+
+
 START_TIMEOUT_S = 300.0
 
 
@@ -190,20 +213,24 @@ def _loopback(module: str, model: Path, port: int, *extra: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def pyworker(model: Path, log_dir: Path) -> Iterator[Running]:
+def pyworker(
+    model: Path, log_dir: Path, settings: dict[str, Any] | None = None
+) -> Iterator[Running]:
     """Switchyard's vLLM worker."""
     port = free_port()
-    argv = _loopback("pyworker", model, port, *ENGINE_ARGS)
+    engine_args = json.dumps(ENGINE_SETTINGS if settings is None else settings)
+    argv = _loopback("pyworker", model, port, "--engine-args", engine_args)
     with _server("pyworker", argv, log_dir, f"127.0.0.1:{port}") as proc:
         yield Running(f"127.0.0.1:{port}", proc.popen.pid)
 
 
 @contextlib.contextmanager
-def vllm_grpc_server(model: Path, log_dir: Path) -> Iterator[Running]:
+def vllm_grpc_server(
+    model: Path, log_dir: Path, settings: dict[str, Any] | None = None
+) -> Iterator[Running]:
     port = free_port()
-    argv = _loopback(
-        "vllm.entrypoints.grpc_server", model, port, "--host", "127.0.0.1", *ENGINE_ARGS
-    )
+    flags = vllm_flags(ENGINE_SETTINGS if settings is None else settings)
+    argv = _loopback("vllm.entrypoints.grpc_server", model, port, "--host", "127.0.0.1", *flags)
     with _server("vllm-grpc", argv, log_dir, f"127.0.0.1:{port}") as proc:
         yield Running(f"127.0.0.1:{port}", proc.popen.pid)
 
@@ -221,10 +248,13 @@ def smg_gateway(worker: str, log_dir: Path) -> Iterator[Running]:
 
 
 @contextlib.contextmanager
-def vllm_openai_server(model: Path, log_dir: Path) -> Iterator[Running]:
+def vllm_openai_server(
+    model: Path, log_dir: Path, settings: dict[str, Any] | None = None
+) -> Iterator[Running]:
     port = free_port()
     module = "vllm.entrypoints.openai.api_server"
-    argv = _loopback(module, model, port, "--host", "127.0.0.1", *ENGINE_ARGS)
+    flags = vllm_flags(ENGINE_SETTINGS if settings is None else settings)
+    argv = _loopback(module, model, port, "--host", "127.0.0.1", *flags)
     with _server("vllm-openai", argv, log_dir, f"http://127.0.0.1:{port}/health") as proc:
         yield Running(f"http://127.0.0.1:{port}", proc.popen.pid)
 

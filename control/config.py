@@ -8,7 +8,7 @@ models:
     model: builtin:tiny     # a model (or TensorRT-LLM engine) directory, or builtin:tiny
     tokenizer: /path        # optional, defaults to the model directory
     replicas: 1             # local worker processes to start
-    engine_args: {max_model_len: 2048}
+    engine_args: {max_model_len: 2048}   # vllm: any of vLLM's AsyncEngineArgs
     workers: []             # addresses of remote workers; when set, none is started
     routing: least_load     # least_load | prefix_affinity | power_of_two | round_robin
     limits: {max_concurrency: 256, max_queue: 1024}
@@ -34,18 +34,10 @@ BUILTIN_MODELS = ("tiny",)
 DEFAULT_LISTEN = "127.0.0.1:50051"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$")
-# What each engine's worker accepts; passed as --key-with-dashes value.
+# What the C++ worker accepts for each of its engines; passed as --key-with-dashes value.
+# vLLM's settings are whatever the installed vLLM's AsyncEngineArgs takes: the vLLM worker
+# checks them against vLLM itself when it starts (pyworker/engine_args.py), types kept.
 ENGINE_ARG_KEYS: dict[str, frozenset[str]] = {
-    "vllm": frozenset(
-        {
-            "max_model_len",
-            "max_num_batched_tokens",
-            "max_num_seqs",
-            "dtype",
-            "seed",
-            "enforce_eager",
-        }
-    ),
     "sim": frozenset(
         {
             "vocab_size",
@@ -225,10 +217,15 @@ def parse_model(m: object, key: str) -> ModelSpec:
     engine_args = m.get("engine_args", {})
     if not isinstance(engine_args, dict):
         raise ConfigError(f"{key}.engine_args", "expected a mapping")
-    _no_unknown_keys(engine_args, set(ENGINE_ARG_KEYS[engine]), f"{key}.engine_args")
+    if engine == "vllm":
+        _check_vllm_engine_args(engine_args, f"{key}.engine_args")
+    else:
+        _no_unknown_keys(engine_args, set(ENGINE_ARG_KEYS[engine]), f"{key}.engine_args")
     for arg, v in engine_args.items():
         where = f"{key}.engine_args.{arg}"
-        if arg in _POSITIVE_INT_ARGS:
+        if engine == "vllm":
+            pass  # vLLM's own types, checked by the worker against vLLM
+        elif arg in _POSITIVE_INT_ARGS:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(where, f"expected a positive integer, got {v!r}")
         elif not isinstance(v, (int, float, str, bool)):
@@ -270,6 +267,31 @@ def parse_model(m: object, key: str) -> ModelSpec:
         dns_interval_s=_number(discovery, "interval_s", 10.0, f"{key}.discovery"),
         worker_stream=worker_stream,
     )
+
+
+_IDENTIFIER_RE = re.compile(r"^[a-z_][a-z0-9_]*$")
+
+
+def _check_vllm_engine_args(args: dict[Any, Any], key: str) -> None:
+    """Names shaped like vLLM's, and values that survive JSON (vLLM's nested settings,
+    such as compilation_config, are mappings). The names themselves are checked by the
+    worker against the vLLM it runs, which may be newer or older than this process's."""
+    for arg, v in args.items():
+        where = f"{key}.{arg}"
+        if not isinstance(arg, str) or not _IDENTIFIER_RE.match(arg):
+            raise ConfigError(where, "expected a vLLM engine argument name like max_model_len")
+        if not _json_like(v):
+            raise ConfigError(where, f"expected a number, string, list or mapping, got {v!r}")
+
+
+def _json_like(v: object) -> bool:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return not (isinstance(v, float) and v != v)
+    if isinstance(v, list):
+        return all(_json_like(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _json_like(x) for k, x in v.items())
+    return False
 
 
 def _section(m: dict[str, Any], name: str, allowed: set[str], key: str) -> dict[str, Any]:

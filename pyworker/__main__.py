@@ -10,14 +10,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import sys
 import time
 from collections.abc import Coroutine, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
 
+from pyworker.stderr_tail import StderrTail
 from switchyard_common.logs import configure_logging
 from switchyard_common.ports import Reservation
 
@@ -28,8 +31,19 @@ EXIT_OK = 0
 EXIT_ENGINE_DEAD = 1
 EXIT_STARTUP_FAILED = 2
 
+
+def engine_args_json(text: str) -> dict[str, Any]:
+    """`--engine-args`: a JSON object of vLLM engine arguments, types kept."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object of engine arguments")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    from pyworker.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from pyworker.server import DEFAULT_GRACE_S
 
     parser = argparse.ArgumentParser(
@@ -39,19 +53,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="model directory or name")
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, required=True, help="listen port (0: any free port)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context length")
     parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        help="tokens per engine step; keep it above the longest prompt on CPU "
-        f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+        "--engine-args",
+        type=engine_args_json,
+        default={},
+        help="vLLM engine arguments as a JSON object, named as vLLM's AsyncEngineArgs names "
+        'them, e.g. \'{"max_model_len": 2048, "enforce_eager": true}\'',
     )
-    parser.add_argument("--dtype", default="auto", help="weights dtype (default auto)")
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="max concurrent sequences")
-    parser.add_argument("--seed", type=int, default=None, help="engine seed")
     parser.add_argument(
-        "--enforce-eager", action="store_true", help="disable graph capture / compilation"
+        "--termination-log",
+        type=Path,
+        default=None,
+        help="where to write the reason when the worker cannot start (one line)",
     )
     parser.add_argument(
         "--grace", type=float, default=DEFAULT_GRACE_S, help="shutdown grace in seconds"
@@ -63,31 +76,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-async def run(args: argparse.Namespace) -> int:
-    from pyworker.engine import EngineSettings, build_engine
+def startup_failed(args: argparse.Namespace, reason: str) -> int:
+    """Log why the worker cannot start, write it where its supervisor reads it, exit 2."""
+    log.error("startup failed", reason=reason)
+    if args.termination_log is not None:
+        try:
+            args.termination_log.write_text(reason + "\n")
+        except OSError as exc:
+            log.warning("cannot write the termination log", error=str(exc))
+    return EXIT_STARTUP_FAILED
+
+
+async def run(args: argparse.Namespace, tail: StderrTail | None = None) -> int:
+    from pyworker.engine import build_engine
+    from pyworker.engine_args import EngineArgsError
     from pyworker.server import StopReason, serve
 
-    settings = EngineSettings(
-        model=args.model,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        seed=args.seed,
-        enforce_eager=args.enforce_eager,
-    )
     try:
         # Fail before minutes of engine start, not after, and keep the port meanwhile.
         reservation = Reservation(args.host, args.port)
     except OSError as exc:
-        log.error("startup failed", error=str(exc))
-        return EXIT_STARTUP_FAILED
+        return startup_failed(args, str(exc))
     started = time.monotonic()
     try:
-        engine = build_engine(settings)
-    except Exception:
+        engine = build_engine(args.model, args.engine_args, tail)
+    except EngineArgsError as exc:
+        reservation.release()
+        return startup_failed(args, str(exc))
+    except Exception as exc:
         log.exception("engine failed to load", model=args.model)
-        return EXIT_STARTUP_FAILED
+        reservation.release()
+        return startup_failed(args, f"engine failed to load: {type(exc).__name__}: {exc}")
     log.info("startup", seconds=round(time.monotonic() - started, 1))
     code = EXIT_STARTUP_FAILED
     try:
@@ -112,8 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_format, args.log_level)
     from pyworker.engine import prepare_environment
 
-    prepare_environment()
-    return run_event_loop(run(args))
+    prepare_environment(args.engine_args)
+    tail = StderrTail()  # before vLLM starts its engine core, which inherits it
+    return run_event_loop(run(args, tail))
 
 
 def run_event_loop(coro: Coroutine[Any, Any, T]) -> T:

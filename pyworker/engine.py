@@ -9,31 +9,19 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
+from pyworker.engine_args import blame, current_machine, engine_arg_names, resolve
+from pyworker.gpu_memory import GpuMemoryReader
+from pyworker.stderr_tail import StderrTail
+
 log = structlog.get_logger(__name__)
 
-# vLLM-CPU: a seeded request whose prompt is split across prefill steps kills the
-# engine ("CPU Generator does not use offset"), so no prompt may ever be split.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 16384
 DEFAULT_KVCACHE_SPACE_GIB = "1"
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """What the worker needs to build one engine for one model."""
-
-    model: str
-    max_model_len: int | None = None
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    dtype: str = "auto"
-    max_num_seqs: int | None = None
-    seed: int | None = None
-    enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,6 +38,13 @@ class EngineInfo:
     kv_blocks_total: int
     max_logprobs: int
     priority_scheduling: bool
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    quantization: str = ""
+    weight_dtype: str = ""
+    kv_cache_dtype: str = ""
+    max_batch_size: int = 0
+    max_num_tokens: int = 0
 
 
 @dataclass
@@ -160,6 +155,7 @@ class Engine:
     load: LoadStats
     info: EngineInfo
     make_prompt: TokenPromptFactory = field(default_factory=token_prompt_factory)
+    gpu: GpuMemoryReader = field(default_factory=lambda: GpuMemoryReader(world_size=0))
 
     def shutdown(self) -> None:
         try:
@@ -172,7 +168,7 @@ class Engine:
         return bool(getattr(self.llm, "errored", False))
 
 
-def prepare_environment() -> None:
+def prepare_environment(engine_args: Mapping[str, Any] | None = None) -> None:
     """Set vLLM's environment defaults, then import vLLM.
 
     Call it early, from a frame that will never hold the engine: some of vLLM's
@@ -180,7 +176,9 @@ def prepare_environment() -> None:
     AsyncLLM kept alive that way is only collected at interpreter exit, where its
     `__del__` fails.
     """
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KVCACHE_SPACE_GIB)
+    if "kv_cache_memory_bytes" not in (engine_args or {}):
+        # vLLM-CPU's KV cache size; it overrides kv_cache_memory_bytes when set.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KVCACHE_SPACE_GIB)
     # gRPC is imported in this process; never fork it into the engine core.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     import vllm.engine.arg_utils
@@ -188,35 +186,41 @@ def prepare_environment() -> None:
     import vllm.v1.metrics.loggers  # noqa: F401
 
 
-def build_engine(settings: EngineSettings) -> Engine:
-    """Build the AsyncLLM (blocks until the engine core is ready)."""
-    prepare_environment()
+def build_engine(
+    model: str, engine_args: Mapping[str, Any], tail: StderrTail | None = None
+) -> Engine:
+    """Check `engine_args` and build the AsyncLLM (blocks until the engine core is ready).
+
+    Raises EngineArgsError, naming the setting, for what the checks, vLLM's config or
+    its engine start refuse; `tail` is where the engine core's own last words are read.
+    """
+    prepare_environment(engine_args)
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    kwargs: dict[str, Any] = {
-        "model": settings.model,
-        "max_num_batched_tokens": settings.max_num_batched_tokens,
-        "dtype": settings.dtype,
-        "enforce_eager": settings.enforce_eager,
-        # The default logging stat logger only prints; our own logger keeps load.
-        "disable_log_stats": True,
-    }
-    if settings.max_model_len is not None:
-        kwargs["max_model_len"] = settings.max_model_len
-    if settings.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = settings.max_num_seqs
-    if settings.seed is not None:
-        kwargs["seed"] = settings.seed
-    args = AsyncEngineArgs(**kwargs)
+    names = engine_arg_names()
+    kwargs = resolve(engine_args, model, current_machine(), names)
+    log.info("checking engine settings", model=model, engine_args=kwargs)
+    try:
+        vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()
+    except Exception as exc:
+        raise blame(exc, engine_args, names) from exc
 
     load = LoadStats()
     started = time.monotonic()
-    log.info("loading engine", model=settings.model, engine_args=kwargs)
-    llm = AsyncLLM.from_engine_args(args, stat_loggers=[make_stat_logger_factory(load)])
-    info = engine_info(llm, settings.model)
+    log.info("loading engine", model=model)
+    try:
+        llm = AsyncLLM.from_vllm_config(
+            vllm_config, stat_loggers=[make_stat_logger_factory(load)], disable_log_stats=True
+        )
+    except Exception as exc:
+        said = tail.engine_failure() if tail is not None else None
+        if said is None:
+            raise
+        raise blame(RuntimeError(said), engine_args, names) from exc
+    info = engine_info(llm, model)
     batched = int(getattr(llm.vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
-    if 0 < batched < info.max_context:
+    if 0 < batched < info.max_context and current_machine().platform == "cpu":
         log.warning(
             "prompts longer than max_num_batched_tokens are split across prefill steps; "
             "on vLLM-CPU a seeded request split that way kills the engine",
@@ -230,8 +234,13 @@ def build_engine(settings: EngineSettings) -> Engine:
         vocab_size=info.vocab_size,
         eos_token_ids=list(info.eos_token_ids),
         kv_blocks=info.kv_blocks_total,
+        tensor_parallel_size=info.tensor_parallel_size,
+        pipeline_parallel_size=info.pipeline_parallel_size,
+        quantization=info.quantization or None,
+        kv_cache_dtype=info.kv_cache_dtype,
     )
-    return Engine(llm=llm, load=load, info=info)
+    world = info.tensor_parallel_size * info.pipeline_parallel_size
+    return Engine(llm=llm, load=load, info=info, gpu=GpuMemoryReader(world))
 
 
 def engine_info(llm: Any, model: str) -> EngineInfo:
@@ -241,6 +250,9 @@ def engine_info(llm: Any, model: str) -> EngineInfo:
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     scheduler_config = vllm_config.scheduler_config
+    parallel_config = vllm_config.parallel_config
+    weight_dtype = str(model_config.dtype).removeprefix("torch.")
+    kv_dtype = str(cache_config.cache_dtype)
     return EngineInfo(
         engine="vllm",
         engine_version=str(getattr(vllm, "__version__", "unknown")),
@@ -252,6 +264,13 @@ def engine_info(llm: Any, model: str) -> EngineInfo:
         kv_blocks_total=int(getattr(cache_config, "num_gpu_blocks", 0) or 0),
         max_logprobs=int(getattr(model_config, "max_logprobs", 20)),
         priority_scheduling=str(getattr(scheduler_config, "policy", "fcfs")) == "priority",
+        tensor_parallel_size=int(parallel_config.tensor_parallel_size),
+        pipeline_parallel_size=int(parallel_config.pipeline_parallel_size),
+        quantization=str(model_config.quantization or ""),
+        weight_dtype=weight_dtype,
+        kv_cache_dtype=weight_dtype if kv_dtype == "auto" else kv_dtype,
+        max_batch_size=int(getattr(scheduler_config, "max_num_seqs", 0) or 0),
+        max_num_tokens=int(getattr(scheduler_config, "max_num_batched_tokens", 0) or 0),
     )
 
 

@@ -342,6 +342,7 @@ class Generations:
             kv_blocks_free=total - used,
             generation_tokens_per_s=self._rate.rate(),
             in_flight=in_flight,
+            gpu_memory_used_bytes=self._engine.gpu.read().used_bytes,
             timestamp_s=time.time(),
         )
 

@@ -67,6 +67,7 @@ class WorkerServicer:
 
     async def GetInfo(self, request: Any, context: Context) -> Any:
         info = self._engine.info
+        gpu = self._engine.gpu.read()
         return worker_pb2.GetInfoResponse(
             engine=info.engine,
             engine_version=info.engine_version,
@@ -76,6 +77,17 @@ class WorkerServicer:
             eos_token_ids=list(info.eos_token_ids),
             kv_block_size=info.kv_block_size,
             generate_stream=True,
+            tensor_parallel_size=info.tensor_parallel_size,
+            pipeline_parallel_size=info.pipeline_parallel_size,
+            quantization=info.quantization,
+            weight_dtype=info.weight_dtype,
+            kv_cache_dtype=info.kv_cache_dtype,
+            kv_blocks_total=info.kv_blocks_total,
+            max_input_len=info.max_context,
+            max_batch_size=info.max_batch_size,
+            max_num_tokens=info.max_num_tokens,
+            gpu_memory_used_bytes=gpu.used_bytes,
+            gpu_memory_total_bytes=gpu.total_bytes,
         )
 
     async def StreamLoad(self, request: Any, context: Context) -> None:

@@ -48,7 +48,32 @@ def worker_status(entry: ModelEntry, w: WorkerClient) -> admin_pb2.WorkerStatus:
         local=proc is not None,
         process=proc.status if proc else "",
         restarts=proc.restarts if proc else 0,
+        **_engine_shape(w),
     )
+
+
+def _engine_shape(w: WorkerClient) -> dict[str, Any]:
+    """What the worker's engine is and holds: its GetInfo, with its latest load report."""
+    load = w.load
+    shape: dict[str, Any] = {
+        "kv_blocks_used": load.kv_blocks_used,
+        "kv_blocks_free": load.kv_blocks_free,
+        "gpu_memory_used_bytes": load.gpu_memory_used_bytes,
+    }
+    info = w.info
+    if info is not None:
+        shape.update(
+            tensor_parallel_size=info.tensor_parallel_size,
+            pipeline_parallel_size=info.pipeline_parallel_size,
+            quantization=info.quantization,
+            weight_dtype=info.weight_dtype,
+            kv_cache_dtype=info.kv_cache_dtype,
+            kv_block_size=info.kv_block_size,
+            kv_blocks_total=info.kv_blocks_total,
+            gpu_memory_total_bytes=info.gpu_memory_total_bytes,
+            max_context=info.max_context,
+        )
+    return shape
 
 
 def spec_to_dict(spec: admin_pb2.ModelSpec) -> dict[str, Any]:

@@ -17,7 +17,12 @@ import structlog
 
 from control.config import ModelSpec
 from control.fleet.models import ModelEntry, ModelRegistry
-from control.fleet.supervisor import LocalWorker, free_port, worker_command
+from control.fleet.supervisor import (
+    LocalWorker,
+    free_port,
+    termination_log_path,
+    worker_command,
+)
 from control.text.tokenizer import Tokenizer
 from control.workers.client import HealthPolicy, WorkerClient, WorkerInfo
 from switchyard_common.tinymodel import ensure_tiny_model
@@ -95,8 +100,10 @@ class ModelLoader:
             elif not addresses:
                 for i in range(spec.replicas):
                     port = free_port(self.worker_host)
-                    cmd = worker_command(spec, model_path, port, tokenizer)
-                    lw = LocalWorker(f"{spec.name}-{i}", cmd, f"{self.worker_host}:{port}")
+                    name = f"{spec.name}-{i}"
+                    term = termination_log_path(name, port)
+                    cmd = worker_command(spec, model_path, port, tokenizer, term)
+                    lw = LocalWorker(name, cmd, f"{self.worker_host}:{port}", termination_log=term)
                     await lw.start()
                     local.append(lw)
                     addresses.append(lw.address)
@@ -119,7 +126,9 @@ class ModelLoader:
                 ]
             else:
                 async with asyncio.TaskGroup() as tg:  # one failure cancels the others
-                    waits = [tg.create_task(self._wait_worker(c, local)) for c in clients]
+                    waits = [
+                        tg.create_task(self._wait_worker(spec.name, c, local)) for c in clients
+                    ]
                 infos = [w.result() for w in waits]
             info = self._agree(spec, infos)
             if tokenizer.vocab_size > info.vocab_size:
@@ -164,7 +173,9 @@ class ModelLoader:
                 raise StartupError(f"model {spec.name}: workers disagree on context or vocabulary")
         return first
 
-    async def _wait_worker(self, client: WorkerClient, local: list[LocalWorker]) -> WorkerInfo:
+    async def _wait_worker(
+        self, spec_name: str, client: WorkerClient, local: list[LocalWorker]
+    ) -> WorkerInfo:
         proc = next((lw for lw in local if lw.address == client.address), None)
         if proc is None or proc.proc is None:
             # A remote worker is expected up already; an engine we start may take minutes.
@@ -179,6 +190,9 @@ class ModelLoader:
                     t.cancel()
         if ready in done:
             return ready.result()
+        said = proc.termination_message()
+        if said is not None:
+            raise StartupError(f"model {spec_name}: {said}")
         raise StartupError(
             f"worker {proc.name} exited with code {proc.exited} before it was ready "
             "(its log is above)"

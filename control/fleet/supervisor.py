@@ -4,11 +4,13 @@ and stop them (SIGTERM, a grace period, then SIGKILL)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +32,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def termination_log_path(name: str, port: int) -> Path:
+    """Where local worker `name` writes why it could not start (like Kubernetes'
+    terminationMessagePath); unique per control plane, worker and port."""
+    return Path(tempfile.gettempdir()) / f"switchyard-{os.getpid()}-{name}-{port}.termination"
+
+
 def cpp_worker_binary() -> str:
     """The C++ worker installed beside this Python (pip install . builds it)."""
     beside = Path(sys.executable).parent / "switchyard-cpp-worker"
@@ -42,16 +50,27 @@ def cpp_worker_binary() -> str:
 
 
 def worker_command(
-    spec: ModelSpec, model_path: str, port: int, tokenizer: Tokenizer | None = None
+    spec: ModelSpec,
+    model_path: str,
+    port: int,
+    tokenizer: Tokenizer | None = None,
+    termination_log: Path | None = None,
 ) -> list[str]:
     """The command line of one local worker for `spec`.
 
-    A sim worker takes its vocabulary and EOS id from the model's tokenizer unless the
-    config sets them, so that the text it streams decodes.
+    The vLLM worker takes its engine arguments as one JSON object, types kept, and
+    checks them against the vLLM it runs. A sim worker takes its vocabulary and EOS id
+    from the model's tokenizer unless the config sets them, so that the text it streams
+    decodes. A worker that cannot start writes why to `termination_log`.
     """
     args = dict(spec.engine_args)
     if spec.engine == "vllm":
-        cmd = [sys.executable, "-m", "pyworker", "--model", model_path]
+        cmd = [sys.executable, "-m", "pyworker", "--model", model_path, "--port", str(port)]
+        if args:
+            cmd += ["--engine-args", json.dumps(args, sort_keys=True)]
+        if termination_log is not None:
+            cmd += ["--termination-log", str(termination_log)]
+        return cmd
     else:
         cmd = [cpp_worker_binary(), "--engine", spec.engine, "--model", model_path]
         if tokenizer is not None:
@@ -78,8 +97,10 @@ class LocalWorker:
         address: str,
         backoff_s: Sequence[float] = RESTART_BACKOFF_S,
         stable_s: float = 60.0,
+        termination_log: Path | None = None,
     ) -> None:
         self.name = name
+        self.termination_log = termination_log  # where the worker writes why it could not start
         self.cmd = list(cmd)
         self.address = address
         self.backoff_s = tuple(backoff_s)
@@ -105,11 +126,21 @@ class LocalWorker:
     async def start(self) -> None:
         log.info("starting worker", worker=self.name, address=self.address)
         self._started_at = time.monotonic()
-        env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        self.proc = await asyncio.create_subprocess_exec(*self.cmd, env=env)
+        if self.termination_log is not None:
+            self.termination_log.unlink(missing_ok=True)
+        self.proc = await asyncio.create_subprocess_exec(*self.cmd)
         if self._monitor is None:
             self._monitor = asyncio.create_task(self._watch(), name=f"watch {self.name}")
+
+    def termination_message(self) -> str | None:
+        """What the worker wrote before it exited, if it wrote anything."""
+        if self.termination_log is None:
+            return None
+        try:
+            text = self.termination_log.read_text(errors="replace").strip()
+        except OSError:
+            return None
+        return text or None
 
     @property
     def exited(self) -> int | None:
@@ -149,6 +180,8 @@ class LocalWorker:
             self._monitor.cancel()
             # Wait for it to end; a cancellation of our own caller still propagates.
             await asyncio.gather(self._monitor, return_exceptions=True)
+        if self.termination_log is not None:
+            self.termination_log.unlink(missing_ok=True)
         proc = self.proc
         if proc is None or proc.returncode is not None:
             return

@@ -201,9 +201,7 @@ class _Run:
                         last_failure.retry_after_s or 1.0,
                     ) from e
                 if last_failure is not None and last_failure.kind is FailureKind.ENGINE:
-                    raise WorkerFailed(
-                        last_failure.worker, f"{last_failure.message}; {e}"
-                    ) from e
+                    raise WorkerFailed(last_failure.worker, f"{last_failure.message}; {e}") from e
                 raise
             self.final.worker = worker.address
             failed: WorkerCallFailed | None = None

@@ -56,6 +56,13 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]
     kv_block_size: int
     generate_stream: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    quantization: str = ""
+    weight_dtype: str = ""
+    kv_cache_dtype: str = ""
+    kv_blocks_total: int = 0
+    gpu_memory_total_bytes: int = 0
 
     @property
     def label(self) -> str:
@@ -160,6 +167,13 @@ class WorkerClient:
             eos_token_ids=tuple(r.eos_token_ids),
             kv_block_size=r.kv_block_size,
             generate_stream=r.generate_stream,
+            tensor_parallel_size=r.tensor_parallel_size or 1,
+            pipeline_parallel_size=r.pipeline_parallel_size or 1,
+            quantization=r.quantization,
+            weight_dtype=r.weight_dtype,
+            kv_cache_dtype=r.kv_cache_dtype,
+            kv_blocks_total=r.kv_blocks_total,
+            gpu_memory_total_bytes=r.gpu_memory_total_bytes,
         )
         return self.info
 

@@ -31,6 +31,9 @@ class Load:
     waiting: int = 0
     kv_cache_usage: float = 0.0
     updated: float = 0.0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    gpu_memory_used_bytes: int = 0
 
 
 async def canary(worker: WorkerClient) -> None:
@@ -104,7 +107,15 @@ async def watch_load(worker: WorkerClient) -> None:
         try:
             call = worker.stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=250))
             async for r in call:
-                worker.load = Load(r.running, r.waiting, r.kv_cache_usage, time.monotonic())
+                worker.load = Load(
+                    r.running,
+                    r.waiting,
+                    r.kv_cache_usage,
+                    time.monotonic(),
+                    kv_blocks_used=r.kv_blocks_used,
+                    kv_blocks_free=r.kv_blocks_free,
+                    gpu_memory_used_bytes=r.gpu_memory_used_bytes,
+                )
         except grpc.aio.AioRpcError:
             pass
         await asyncio.sleep(1.0)

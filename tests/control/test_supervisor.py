@@ -25,10 +25,8 @@ def test_vllm_worker_command() -> None:
         "/m",
         "--port",
         "7001",
-        "--enforce-eager",
-        "1",
-        "--max-model-len",
-        "1024",
+        "--engine-args",
+        '{"enforce_eager": true, "max_model_len": 1024}',
     ]
 
 
