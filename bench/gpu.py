@@ -1,0 +1,469 @@
+"""Switchyard's vLLM path on a GPU, side by side with vLLM's own fronts, in one session.
+
+    python -m bench.gpu --phase fronts --out DIR     # AsyncLLM in-process, worker, control plane
+    python -m bench.gpu --phase peers --out DIR      # vLLM's OpenAI and gRPC servers
+    python -m bench.gpu --phase quant --out DIR      # quantization: fp8, kv_cache_dtype: fp8
+    python -m bench.gpu --report DIR...              # docs/benchmarks-gpu.md from the results
+
+Made for the lent H200 (scripts/gpu-bench.sh runs it there): an 8B Llama shape with random
+weights (`load_format: dummy`), the guide's workload (128 prompt and 256 output tokens,
+ignore_eos) at 100 and at 1000 concurrent requests. Every system gets the same engine
+settings (SETTINGS, listed in the report). Load comes from several client processes, so
+that no Python client is the limit. Each phase writes DIR/<phase>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from bench import systems
+from bench.loadgen import Workload, closed_loop, make_target, one_request
+from switchyard_common.logs import configure_logging
+
+log = structlog.get_logger(__name__)
+
+SETTINGS: dict[str, Any] = {
+    "load_format": "dummy",
+    "dtype": "bfloat16",
+    "gpu_memory_utilization": 0.85,
+    "max_model_len": 4096,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 8192,
+    "seed": 0,
+}
+LOADS = (100, 1000)  # concurrent requests; each run sends that many
+PROMPT, OUTPUT = 128, 256
+CLIENT_PROCS = 4
+TTFT_PAIRS = 60
+
+
+def make_model(path: Path) -> Path:
+    """A Llama-3.1-8B-shaped config.json (vLLM's load_format dummy makes random weights)
+    and a word-level tokenizer of the same vocabulary (id N is the word tN), so that
+    every server can detokenize and every id round-trips. Seconds, no downloads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab, bos, eos = 128256, 128000, 128001
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": vocab,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "torch_dtype": "bfloat16", "tie_word_embeddings": False, "bos_token_id": bos,
+        "eos_token_id": eos, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    words = {f"t{i}": i for i in range(vocab) if i not in (bos, eos)}
+    words.update({"<|begin_of_text|>": bos, "<|end_of_text|>": eos})
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>", "model_max_length": 8192,
+    }))  # fmt: skip
+    return path
+
+
+def smoke() -> None:
+    """--smoke: every code path of the benchmark on a CPU, in minutes (the tiny model)."""
+    global LOADS, OUTPUT, PROMPT, TTFT_PAIRS, CLIENT_PROCS, SETTINGS
+    os.environ[SMOKE_ENV] = "1"  # for the client processes this starts
+    LOADS, OUTPUT, PROMPT, TTFT_PAIRS, CLIENT_PROCS = (4, 8), 8, 16, 3, 2
+    SETTINGS = {"max_model_len": 2048, "max_num_seqs": 16, "dtype": "float32", "seed": 0}
+
+
+SMOKE_ENV = "SWITCHYARD_BENCH_GPU_SMOKE"
+if os.environ.get(SMOKE_ENV):
+    smoke()
+
+
+def workload(requests: int, seed: int = 0) -> Workload:
+    return Workload(
+        requests=requests,
+        prompt_len=(PROMPT, PROMPT),
+        output_len=(OUTPUT, OUTPUT),
+        vocab=(4, 500) if PROMPT < 128 else (1000, 120000),
+        seed=seed,
+    )
+
+
+# ---- load from several processes -------------------------------------------------------
+
+
+def _client(args: argparse.Namespace) -> None:
+    """One client process: its share of a closed-loop run, raw figures as JSON on stdout."""
+
+    async def go() -> dict[str, Any]:
+        target = make_target(args.target, args.address, args.model)
+        work = workload(args.requests, seed=args.seed)
+        await asyncio.sleep(max(0.0, args.start_at - time.time()))  # all start together
+        started = time.time()
+        try:
+            records = await closed_loop(target, work, args.concurrency)
+        finally:
+            await target.close()
+        ok = [r for r in records if r.error is None]
+        return {
+            "wall_start": started,
+            "wall_end": started
+            + max((r.end or r.start) for r in records)
+            - min(r.start for r in records),
+            "tokens": sum(r.tokens for r in ok),
+            "errors": [r.error for r in records if r.error is not None][:3],
+            "error_count": len(records) - len(ok),
+            "ttft_ms": [r.ttft * 1000 for r in ok if r.ttft is not None],
+            "itl_ms": [
+                (b - a) * 1000
+                for r in ok
+                for a, b in zip(r.token_times, r.token_times[1:], strict=False)
+            ][::7],  # a sample keeps the output small
+        }
+
+    print(json.dumps(asyncio.run(go())), flush=True)
+
+
+def run_load(target: str, address: str, model: str, requests: int, seed: int = 0) -> dict[str, Any]:
+    """`requests` concurrent requests (all at once, closed loop) from CLIENT_PROCS processes."""
+    procs = min(CLIENT_PROCS, requests)
+    start_at = time.time() + 5.0  # time for every client to import
+
+    def argv(i: int) -> list[str]:
+        return [
+            sys.executable, "-m", "bench.gpu", "--client", "--target", target,
+            "--address", address, "--model", model,
+            "--requests", str(requests // procs), "--concurrency", str(requests // procs),
+            "--seed", str(seed * 100 + i), "--start-at", str(start_at),
+        ]  # fmt: skip
+
+    children = [subprocess.Popen(argv(i), stdout=subprocess.PIPE, text=True) for i in range(procs)]
+    parts = [json.loads(c.communicate(timeout=600)[0].strip().splitlines()[-1]) for c in children]
+    begin = min(p["wall_start"] for p in parts)
+    end = max(p["wall_end"] for p in parts)
+    ttft = sorted(x for p in parts for x in p["ttft_ms"])
+    itl = sorted(x for p in parts for x in p["itl_ms"])
+    tokens = sum(p["tokens"] for p in parts)
+    return {
+        "system": target,
+        "requests": requests,
+        "tokens": tokens,
+        "seconds": end - begin,
+        "tokens_per_s": tokens / (end - begin),
+        "errors": sum(p["error_count"] for p in parts),
+        "first_errors": [e for p in parts for e in p["errors"]][:3],
+        "ttft_ms": _pcts(ttft),
+        "itl_ms": _pcts(itl),
+    }
+
+
+def _pcts(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    s = sorted(values)
+
+    def q(p: float) -> float:
+        return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
+
+    return {"p50": q(50), "p90": q(90), "p99": q(99)}
+
+
+# ---- the systems ----------------------------------------------------------------------
+
+
+def asyncllm_inprocess(model: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """vLLM's AsyncLLM in this process, DELTA streaming: the ceiling for any front."""
+    argv = [sys.executable, "-m", "bench.gpu", "--asyncllm", json.dumps(settings)]
+    argv += ["--model-dir", str(model)]
+    out = subprocess.run(argv, stdout=subprocess.PIPE, text=True, timeout=900, check=True)
+    return [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def _asyncllm_main(model: str, settings: dict[str, Any]) -> None:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from pyworker.engine import prepare_environment, token_prompt_factory
+
+    prepare_environment(settings)
+    make_prompt = token_prompt_factory()
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **settings))
+
+    async def one(i: int, prompt: list[int], n: int, seed: int) -> tuple[float | None, int]:
+        params = SamplingParams(
+            max_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False
+        )
+        start = time.perf_counter()
+        ttft = None
+        tokens = 0
+        async for out in llm.generate(make_prompt(prompt), params, request_id=f"r{seed}-{i}"):
+            if ttft is None:
+                ttft = (time.perf_counter() - start) * 1000
+            tokens += len(out.outputs[0].token_ids)
+        return ttft, tokens
+
+    async def run(requests: int, seed: int) -> dict[str, Any]:
+        items = workload(requests, seed).items()
+        start = time.perf_counter()
+        got = await asyncio.gather(*(one(i, p, n, seed) for i, (p, n) in enumerate(items)))
+        took = time.perf_counter() - start
+        tokens = sum(t for _, t in got)
+        return {
+            "system": "asyncllm",
+            "requests": requests,
+            "tokens": tokens,
+            "seconds": took,
+            "tokens_per_s": tokens / took,
+            "errors": sum(1 for _, t in got if t != OUTPUT),
+            "ttft_ms": _pcts([t for t, _ in got if t is not None]),
+        }
+
+    async def main() -> None:
+        await run(32, seed=99)  # warm-up
+        for load in LOADS:
+            print("RESULT " + json.dumps(await run(load, seed=1)), flush=True)
+
+    asyncio.run(main())
+    llm.shutdown()
+
+
+def served_model(name: str, model: Path, settings: dict[str, Any]) -> str:
+    """A model entry of `switchyard serve` that starts its own vLLM worker."""
+    return (
+        f"  - name: {name}\n    engine: vllm\n    model: {model}\n"
+        f"    engine_args: {json.dumps(settings)}\n"
+        "    limits: {max_concurrency: 1024, max_queue: 1024}\n"
+    )
+
+
+def list_workers(address: str) -> list[dict[str, Any]]:
+    import grpc
+    from google.protobuf import json_format
+    from switchyard.v1 import admin_pb2, admin_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        r = admin_pb2_grpc.AdminStub(ch).ListWorkers(admin_pb2.ListWorkersRequest(), timeout=10)
+    return [json_format.MessageToDict(w, preserving_proto_field_name=True) for w in r.workers]
+
+
+@contextlib.contextmanager
+def gpu_memory_sampler(path: Path, interval_ms: int = 500) -> Iterator[None]:
+    """nvidia-smi's reading of the GPU's memory in use, every interval, into a CSV."""
+    if shutil.which("nvidia-smi") is None:
+        yield  # no GPU here (--smoke)
+        return
+    with open(path, "w") as f:
+        proc = subprocess.Popen(
+            [
+                "nvidia-smi", "--query-gpu=timestamp,memory.used,memory.total",
+                "--format=csv,noheader,nounits", f"-lms={interval_ms}",
+            ],
+            stdout=f,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            yield
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def ttft_pairs(cp: str, worker: str, model: str) -> dict[str, Any]:
+    """Single requests, alternating between the worker and the control plane in front."""
+
+    async def go() -> dict[str, list[float]]:
+        targets = {
+            "worker": make_target("worker", worker, model),
+            "switchyard": make_target("switchyard", cp, model),
+        }
+        got: dict[str, list[float]] = {k: [] for k in targets}
+        prompts = workload(TTFT_PAIRS + 5, seed=7).items()
+        try:
+            for i, (prompt, _) in enumerate(prompts):
+                for name, target in targets.items():
+                    rec = await one_request(target, prompt, 16)
+                    if i >= 5 and rec.ttft is not None:  # the first few warm up
+                        got[name].append(rec.ttft * 1000)
+        finally:
+            for target in targets.values():
+                await target.close()
+        return got
+
+    got = asyncio.run(go())
+    w, s = _pcts(got["worker"]), _pcts(got["switchyard"])
+    return {
+        "pairs": len(got["worker"]),
+        "worker_ms": w,
+        "switchyard_ms": s,
+        "overhead_ms": {k: s[k] - w[k] for k in ("p50", "p90", "p99")},
+        "overhead_mean_ms": statistics.fmean(got["switchyard"]) - statistics.fmean(got["worker"]),
+    }
+
+
+def switchyard_fronts(
+    model: Path, out: Path, settings: dict[str, Any], label: str, full: bool
+) -> dict[str, Any]:
+    """`switchyard serve` starting its vLLM worker; the worker called directly and the
+    control plane in front of it, alternately at each load."""
+    result: dict[str, Any] = {"label": label, "settings": settings, "runs": []}
+    log_dir = out / f"logs-{label}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with systems.control_plane(served_model("m", model, settings), log_dir) as (cp, proc):
+        result["start_s"] = time.monotonic() - started
+        workers = list_workers(cp)
+        result["workers_at_start"] = workers
+        worker = workers[0]["address"]
+        run_load("switchyard", cp, "m", 32, seed=99)  # warm-up
+        for load in LOADS:
+            pair = ["worker", "switchyard"] if full else ["switchyard"]
+            for target in pair:
+                address = worker if target == "worker" else cp
+                if full and load == LOADS[0] and target == "switchyard":
+                    with gpu_memory_sampler(out / f"gpu-memory-{label}.csv"):
+                        run = run_load(target, address, "m", load, seed=1)
+                        result["workers_under_load"] = list_workers(cp)
+                else:
+                    run = run_load(target, address, "m", load, seed=1)
+                log.info(
+                    "run",
+                    label=label,
+                    system=target,
+                    requests=load,
+                    tokens_per_s=round(run["tokens_per_s"]),
+                    ttft_p50_ms=run["ttft_ms"].get("p50"),
+                )
+                result["runs"].append(run)
+        if full:
+            result["ttft_pairs"] = ttft_pairs(cp, worker, "m")
+        result["log_tail"] = proc.log_tail(40)
+    return result
+
+
+def peer(kind: str, model: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    log_dir = out / f"logs-{kind}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    start = systems.vllm_openai_server if kind == "openai" else systems.vllm_grpc_server
+    result: dict[str, Any] = {"label": kind, "runs": []}
+    started = time.monotonic()
+    with start(model, log_dir, settings) as running:
+        result["start_s"] = time.monotonic() - started
+        run_load(kind if kind == "openai" else "vllm-grpc", running.address, str(model), 32, 99)
+        for load in LOADS:
+            target = "openai" if kind == "openai" else "vllm-grpc"
+            run = run_load(target, running.address, str(model), load, seed=1)
+            log.info("run", label=kind, requests=load, tokens_per_s=round(run["tokens_per_s"]))
+            result["runs"].append(run)
+    return result
+
+
+def environment() -> dict[str, Any]:
+    def sh(cmd: list[str]) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+        except OSError as exc:
+            return str(exc)
+
+    import torch
+    import vllm
+
+    return {
+        "gpu": sh(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"]),
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "settings": SETTINGS,
+        "workload": {"prompt": PROMPT, "output": OUTPUT, "loads": LOADS, "ignore_eos": True},
+        "client_processes": CLIENT_PROCS,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--phase", choices=("fronts", "peers", "quant"))
+    p.add_argument("--out", type=Path)
+    p.add_argument("--model-dir", type=Path, help="default: an 8B shape made in /tmp/llama-8b")
+    p.add_argument("--smoke", action="store_true", help="a CPU check of the code paths")
+    p.add_argument("--report", nargs="*", type=Path, help="result folders to write docs from")
+    p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--asyncllm", help=argparse.SUPPRESS)
+    for flag in ("--target", "--address", "--model"):
+        p.add_argument(flag, help=argparse.SUPPRESS)
+    for flag in ("--requests", "--concurrency", "--seed"):
+        p.add_argument(flag, type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.client:
+        _client(args)
+        return
+    if args.asyncllm:
+        _asyncllm_main(str(args.model_dir), json.loads(args.asyncllm))
+        return
+    if args.report is not None:
+        from bench.gpu_report import write_report
+
+        write_report(args.report)
+        return
+    configure_logging("console", "info")
+    if args.smoke:
+        smoke()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = args.model_dir or make_model(Path("/tmp/llama-8b"))
+    result: dict[str, Any] = {"phase": args.phase, "environment": environment(), "systems": []}
+    path = args.out / f"{args.phase}.json"
+
+    def save() -> None:
+        path.write_text(json.dumps(result, indent=1))
+
+    steps: list[tuple[str, Any]]
+    if args.phase == "fronts":
+        steps = [
+            (
+                "asyncllm",
+                lambda: {"label": "asyncllm", "runs": asyncllm_inprocess(model, SETTINGS)},
+            ),
+            ("switchyard", lambda: switchyard_fronts(model, args.out, SETTINGS, "bf16", True)),
+        ]
+    elif args.phase == "peers":
+        steps = [
+            ("openai", lambda: peer("openai", model, args.out, SETTINGS)),
+            ("vllm-grpc", lambda: peer("vllm-grpc", model, args.out, SETTINGS)),
+        ]
+    else:
+        fp8 = {**SETTINGS, "quantization": "fp8"}
+        kv8 = {**SETTINGS, "kv_cache_dtype": "fp8"}
+        steps = [
+            ("fp8", lambda: switchyard_fronts(model, args.out, fp8, "fp8", False)),
+            ("kv-fp8", lambda: switchyard_fronts(model, args.out, kv8, "kv-fp8", False)),
+        ]
+    for name, step in steps:
+        log.info("system", name=name)
+        try:
+            result["systems"].append(step())
+        except Exception as exc:  # one system's failure is a result too; go on
+            log.exception("system failed", name=name)
+            result["systems"].append({"label": name, "error": f"{type(exc).__name__}: {exc}"})
+        save()
+    log.info("phase done", phase=args.phase, path=str(path))
+
+
+if __name__ == "__main__":
+    main()

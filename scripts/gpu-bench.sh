@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU benchmark on the lent H200 (docs/benchmarks.md, "On an NVIDIA H200"). Runs there,
+# from a device call, never in CI. The vLLM 0.26.0 bundle (shared/gpu/site_bundle.sh, made
+# into .gpu/) travels in parts, one device call each, to /tmp/parts; the Python stubs
+# travel with the call (carry build/cp311-cp311-linux_x86_64/python).
+#   scripts/gpu-bench.sh copy .gpu/pN            # one call per part
+#   scripts/gpu-bench.sh run PHASE [PHASE...]    # fronts | peers | quant; results in $OUT
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+case "${1:-}" in
+  copy)
+    mkdir -p /tmp/parts && cp "$2"/part_* /tmp/parts/ && ls -la /tmp/parts ;;
+  run)
+    shift
+    if [ ! -f /tmp/site/vllm/__init__.py ]; then
+      echo "[gpu-bench] unpacking vLLM ($(du -sh /tmp/parts | cut -f1) of parts)" >&2
+      mkdir -p /tmp/site && cat /tmp/parts/part_* | xz -T0 -d | tar -xf - -C /tmp/site
+    fi
+    export PYTHONPATH="/tmp/site:$root:$root/build/cp311-cp311-linux_x86_64/python"
+    export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 SWITCHYARD_EVENT_LOOP=uvloop
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+    python3 -c 'import vllm, grpc, torch; print("vllm", vllm.__version__, "grpc", grpc.__version__, "torch", torch.__version__, torch.cuda.device_count(), "GPU")'
+    out=${OUT:-/tmp/gpu-results}; mkdir -p "$out"
+    for phase in "$@"; do
+      echo "[gpu-bench] phase $phase" >&2
+      python3 -m bench.gpu --phase "$phase" --out "$out" 2>&1 | tee "$out/$phase.log" \
+        | grep -v -E "^\(|WARNING|it/s\]" || true
+      # Keep what comes back small: the logs of each system, compressed.
+      tar -C "$out" -czf "$out/$phase-logs.tgz" $(cd "$out" && ls -d logs-* 2>/dev/null) "$phase.log" 2>/dev/null || true
+      rm -rf "$out"/logs-* "$out/$phase.log"
+    done
+    ls -la "$out" ;;
+  *)
+    echo "usage: $0 copy DIR | run PHASE..." >&2; exit 2 ;;
+esac
