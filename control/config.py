@@ -44,6 +44,7 @@ ENGINE_ARG_KEYS: dict[str, frozenset[str]] = {
             "max_context",
             "eos_id",
             "eos_every",
+            "eos_convention",
             "tokens_per_block",
             "kv_blocks",
             "max_batch",
@@ -53,15 +54,18 @@ ENGINE_ARG_KEYS: dict[str, frozenset[str]] = {
             "time_scale",
         }
     ),
+    # The engine's own config.json sets its limits; these may only lower them.
     "trtllm": frozenset(
         {
             "max_batch_size",
             "kv_cache_free_gpu_memory_fraction",
             "max_tokens_in_kv_cache",
             "enable_kv_cache_reuse",
+            "enable_chunked_context",
             "scheduler_policy",
             "max_context",
-            "vocab_size",
+            "tokens_per_block",
+            "executor_worker",
             "eos_id",
         }
     ),

@@ -61,7 +61,11 @@ def worker_command(
     The vLLM worker takes its engine arguments as one JSON object, types kept, and
     checks them against the vLLM it runs. A sim worker takes its vocabulary and EOS id
     from the model's tokenizer unless the config sets them, so that the text it streams
-    decodes. A worker that cannot start writes why to `termination_log`.
+    decodes. A TensorRT-LLM worker reads its limits from the engine's config.json and
+    its EOS ids from the tokenizer's generation_config.json (a lone `eos_id` from the
+    tokenizer would drop the others, as Llama 3 has); it is given the tokenizer's
+    directory and vocabulary to check against the engine. A vLLM worker that cannot
+    start writes why to `termination_log`.
     """
     args = dict(spec.engine_args)
     if spec.engine == "vllm":
@@ -75,8 +79,10 @@ def worker_command(
         cmd = [cpp_worker_binary(), "--engine", spec.engine, "--model", model_path]
         if tokenizer is not None:
             args.setdefault("vocab_size", tokenizer.vocab_size)
-            if tokenizer.eos_token_id is not None:
+            if spec.engine == "sim" and tokenizer.eos_token_id is not None:
                 args.setdefault("eos_id", tokenizer.eos_token_id)
+        if spec.engine == "trtllm":
+            args.setdefault("tokenizer", spec.tokenizer or model_path)
         if spec.engine == "sim":
             args = {f"sim_{k}": v for k, v in args.items()}
     cmd += ["--port", str(port)]

@@ -54,11 +54,20 @@ def test_full_model_spec(tmp_path: Path) -> None:
         ({"models": [model(name="bad name!")]}, "models[0].name"),
         ({"models": [model(replicas=0)]}, "models[0].replicas"),
         ({"models": [model(replicas="two")]}, "models[0].replicas"),
+        # vLLM's names and types are checked by the worker against the vLLM it runs
+        # (tests/pyworker/test_engine_args.py); here, only their shape.
         (
-            {"models": [model(engine_args={"max_model_len": -1})]},
-            "models[0].engine_args.max_model_len",
+            {"models": [model(engine_args={"Max-Model-Len": 1})]},
+            "models[0].engine_args.Max-Model-Len",
         ),
-        ({"models": [model(engine_args={"nonsense": 1})]}, "models[0].engine_args.nonsense"),
+        (
+            {"models": [model(engine_args={"compilation_config": {1: 2}})]},
+            "models[0].engine_args.compilation_config",
+        ),
+        (
+            {"models": [model(engine="trtllm", model=".", engine_args={"nonsense": 1})]},
+            "models[0].engine_args.nonsense",
+        ),
         ({"models": [model(workers=["no-port"])]}, "models[0].workers[0]"),
         ({"models": [model(tokenizer="/no/such/tok")]}, "models[0].tokenizer"),
         ({"models": [model(engine="sim", model="sim-label")]}, "models[0].tokenizer"),

@@ -58,3 +58,26 @@ async def test_local_worker_restarts_with_backoff_then_gives_up() -> None:
     assert lw.gave_up and lw.status == "gave_up"
     assert lw.restarts == 2  # two restarts, then the third death is final
     await lw.stop()
+
+
+def test_trtllm_worker_takes_its_eos_ids_from_the_engine_and_tokenizer(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    tok = Tokenizer(str(tiny_model_dir))
+    spec = ModelSpec(
+        name="t",
+        engine="trtllm",
+        model=str(tmp_path),
+        tokenizer=str(tiny_model_dir),
+        engine_args={"max_batch_size": 8},
+    )
+    cmd = worker_command(spec, str(tmp_path), 7003, tok)
+    assert cmd[:5] == [cpp_worker_binary(), "--engine", "trtllm", "--model", str(tmp_path)]
+    args = dict(zip(cmd[5::2], cmd[6::2], strict=True))
+    # No lone --eos-id: it would override generation_config.json's full EOS set.
+    assert args == {
+        "--port": "7003",
+        "--max-batch-size": "8",
+        "--tokenizer": str(tiny_model_dir),
+        "--vocab-size": "512",
+    }
