@@ -6,6 +6,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from bench import gpu_report
+
 PER_CALL = "switchyard (a worker call per request)"
 SYSTEMS = ("worker", "switchyard", PER_CALL, "vllm-grpc", "smg", "vllm-openai")
 LABELS = {
@@ -154,7 +156,10 @@ def write(data: dict[str, Any], out_dir: Path) -> None:
     add("![throughput](bench-throughput.png)\n")
     add("![ttft](bench-ttft.png)\n")
     add("Raw numbers: `docs/benchmarks.json`.\n")
-    (out_dir / "benchmarks.md").write_text("\n".join(lines))
+    # The GPU section (bench.gpu_report) comes from another run: keep it.
+    md = out_dir / "benchmarks.md"
+    kept = gpu_report.kept_section(md.read_text()) if md.exists() else ""
+    md.write_text("\n".join(lines) + (f"\n{kept}\n" if kept else ""))
     _plots(tput, ttft50, ttft99, offline, systems, conc, out_dir)
 
 

@@ -1,0 +1,328 @@
+"""The GPU section of docs/benchmarks.md, from the result folders of `bench.gpu` runs.
+
+    python -m bench.gpu --report RESULTS/fronts1 RESULTS/peers RESULTS/quant RESULTS/fronts2
+
+Each folder holds one phase's JSON (and, for `fronts`, the GPU memory CSV). The raw
+results go to docs/benchmarks-gpu.json, the memory plot to docs/gpu-memory.png, and the
+section replaces what stands between its markers in docs/benchmarks.md (bench.report
+keeps it when it rewrites the CPU part).
+
+A run is a "first pass" when it is a system's first run at that load after its 32-request
+warm-up, and "settled" when the same engine ran that load before: on vLLM 0.26 the first
+pass at a new load is slower for every system (batch shapes still compiling and
+capturing), so only like is compared with like.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+BEGIN, END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
+COMMAND = (
+    "`scripts/gpu-bench.sh run fronts`, `... run peers`, `... run quant` and `... run fronts` "
+    "again (device calls on the lent H200; `scripts/gpu-bench.sh` says how the vLLM bundle "
+    "travels), then `python -m bench.gpu --report` on the four result folders"
+)
+
+
+LABELS = {
+    "asyncllm": "vLLM AsyncLLM in-process (ceiling)",
+    "worker": "Switchyard worker, direct",
+    "control plane": "Switchyard control plane → worker",
+    "openai": "vLLM OpenAI server",
+    "vLLM gRPC server": "vLLM gRPC server",
+}
+# (what, (numerator, its pass), (denominator, its pass)), with the issue's targets
+RATIOS = (
+    ("worker / AsyncLLM in-process, settled", ("worker", "settled"), ("asyncllm", "settled")),
+    ("worker / AsyncLLM in-process, first pass", ("worker", "first"), ("asyncllm", "first")),
+    ("control plane / worker, settled", ("control plane", "settled"), ("worker", "settled")),
+    ("worker / vLLM OpenAI server, first pass", ("worker", "first"), ("openai", "first")),
+    ("worker / vLLM gRPC server, first pass", ("worker", "first"), ("vLLM gRPC server", "first")),
+)
+TARGETS = ("≥ 0.97", "≥ 0.97", "≥ 0.97", "> 1", "≥ 1")
+
+
+def lowest(p: dict[tuple[str, str, int], list[float]], name: str, load: int) -> float:
+    runs = p.get((name, "first", load), []) + p.get((name, "settled", load), [])
+    return min(runs) if runs else float("nan")
+
+
+def _load(folders: list[Path]) -> list[dict[str, Any]]:
+    phases = []
+    for folder in folders:
+        for path in sorted(folder.glob("*.json")):
+            data = json.loads(path.read_text())
+            data["folder"] = folder.name
+            csv = folder / "gpu-memory-bf16.csv"
+            if csv.exists():
+                data["gpu_memory_csv"] = csv.read_text()
+            phases.append(data)
+    return phases
+
+
+def _passes(phases: list[dict[str, Any]]) -> dict[tuple[str, str, int], list[float]]:
+    """(system, pass, load) -> tokens/s, where pass is 'first' or 'settled'."""
+    out: dict[tuple[str, str, int], list[float]] = {}
+    for phase in phases:
+        for system in phase["systems"]:
+            label = system.get("label", "?")
+            seen: set[int] = set()  # loads this engine already ran
+            for run in system.get("runs", []):
+                name = run["system"] if label in ("bf16", "asyncllm") else label
+                name = {"switchyard": "control plane", "vllm-grpc": "vLLM gRPC server"}.get(
+                    name, name
+                )
+                load = int(run["requests"])
+                kind = "settled" if load in seen else "first"
+                seen.add(load)
+                out.setdefault((name, kind, load), []).append(float(run["tokens_per_s"]))
+    return out
+
+
+def _fmt(values: list[float] | None) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:,.0f}"
+    return f"{statistics.fmean(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
+
+
+def _ratio(a: list[float] | None, b: list[float] | None) -> str:
+    if not a or not b:
+        return "-"
+    return f"{statistics.fmean(a) / statistics.fmean(b):.2f}"
+
+
+def _memory(phases: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    for phase in reversed(phases):
+        csv = phase.get("gpu_memory_csv")
+        if csv:
+            rows = [line.split(",") for line in csv.strip().splitlines() if line.strip()]
+            used = [float(r[1]) for r in rows]
+            return [0.5 * i for i in range(len(used))], used
+    return [], []
+
+
+def _plot(t: list[float], used: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.plot(t, [u / 1024 for u in used], marker=".", label="memory.used (nvidia-smi)")
+    ax.set_xlabel("seconds into the run (100 concurrent requests, 128 in / 256 out)")
+    ax.set_ylabel("GiB")
+    ax.set_ylim(0, 145)
+    ax.axhline(143771 / 1024, color="grey", linestyle=":", label="H200 total")
+    ax.legend(loc="lower right")
+    ax.set_title("H200 memory in use, 8B bf16, gpu_memory_utilization 0.85")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _workers(phases: list[dict[str, Any]], label: str, key: str) -> dict[str, Any]:
+    for phase in phases:
+        for system in phase["systems"]:
+            if system.get("label") == label and system.get(key):
+                return dict(system[key][0])
+    return {}
+
+
+def section(phases: list[dict[str, Any]]) -> str:
+    env = phases[0]["environment"]
+    p = _passes(phases)
+    lines: list[str] = []
+    add = lines.append
+    settings = ", ".join(f"`{k}: {json.dumps(v)}`" for k, v in env["settings"].items())
+    add(BEGIN)
+    add("## On an NVIDIA H200: the vLLM path against vLLM's own fronts\n")
+    add(f"Made by {COMMAND}.\n")
+    gpu = env["gpu"].splitlines()[-1] if env.get("gpu") else "?"
+    add(
+        f"Machine: {gpu}, {env['cpus']} CPU cores; vLLM {env['vllm']}, torch {env['torch']}, "
+        f"Python {env['python']}. Model: a Llama-3.1-8B shape with random weights "
+        "(`load_format: dummy`, config.json only) and a word-level tokenizer of its "
+        "vocabulary. Workload (the guide's): every request at once, "
+        f"{env['workload']['prompt']} prompt and {env['workload']['output']} output tokens, "
+        f"`ignore_eos`, at 100 and at 1000 requests, sent by {env['client_processes']} client "
+        "processes (so that no Python client is the limit), streamed.\n"
+    )
+    add(f"Every system got the same engine settings: {settings}.\n")
+    add(
+        "Systems: vLLM's `AsyncLLM` in the benchmark's own process with DELTA outputs (the "
+        "ceiling for any front), Switchyard's vLLM worker called directly, the control plane "
+        "in front of that same worker (`switchyard serve` started it with the settings "
+        "above, one control-plane process), vLLM's OpenAI server (`/v1/completions`, "
+        "streaming, token-id prompts) and vLLM's gRPC server "
+        "(`vllm.entrypoints.grpc_server`). The worker and the control plane share one engine "
+        "and were measured in the order worker, control plane, control plane, worker at "
+        "each load.\n"
+    )
+    add(
+        "**First pass and settled.** On vLLM 0.26 every system's first run at a load is "
+        "slower than the next on the same engine (AsyncLLM itself: "
+        f"{_fmt(p.get(('asyncllm', 'first', 100)))} then "
+        f"{_fmt(p.get(('asyncllm', 'settled', 100)))} tokens/s at 100; "
+        f"{_fmt(p.get(('asyncllm', 'first', 1000)))} then "
+        f"{_fmt(p.get(('asyncllm', 'settled', 1000)))} at 1000), so runs are compared only "
+        "with runs of the same kind. vLLM's servers were given one pass each (device time), "
+        "so they are compared with first passes.\n"
+    )
+    add("### Throughput (output tokens/s; mean and range where there are several runs)\n")
+    add("| system | 100, first pass | 100, settled | 1000, first pass | 1000, settled |")
+    add("|---|---|---|---|---|")
+    for name, label in LABELS.items():
+        cells = [_fmt(p.get((name, k, n))) for n in (100, 1000) for k in ("first", "settled")]
+        add(f"| {label} | " + " | ".join(cells) + " |")
+    add("")
+    add("Every run, in the order it ran (device call, engine, system, load: tokens/s):\n")
+    for phase in phases:
+        for system in phase["systems"]:
+            if "error" in system:
+                add(f"- {phase['folder']}, {system['label']}: failed: {system['error']}")
+                continue
+            order = ", ".join(
+                f"{r['system']} {r['requests']}: {r['tokens_per_s']:,.0f}" for r in system["runs"]
+            )
+            add(f"- {phase['folder']}, engine {system['label']}: {order}")
+    add("")
+    add("### Ratios against the targets\n")
+    add("| ratio | 100 | 1000 | target |")
+    add("|---|---|---|---|")
+
+    def row(text: str, a: str, b: str, kind_a: str, kind_b: str, target: str) -> None:
+        cells = [_ratio(p.get((a, kind_a, n)), p.get((b, kind_b, n))) for n in (100, 1000)]
+        add(f"| {text} | {cells[0]} | {cells[1]} | {target} |")
+
+    for (text, (a, kind_a), (b, kind_b)), target in zip(RATIOS, TARGETS, strict=True):
+        row(text, a, b, kind_a, kind_b, target)
+    add("")
+    add(
+        "The control plane never had a first pass of its own (the worker ran first at each "
+        "load), so its comparison with vLLM's servers goes through the worker it fronts "
+        "(control plane / worker above). Its lowest run at each load was "
+        f"{lowest(p, 'control plane', 100):,.0f} and {lowest(p, 'control plane', 1000):,.0f} "
+        "tokens/s.\n"
+    )
+    pairs = [s["ttft_pairs"] for ph in phases for s in ph["systems"] if s.get("ttft_pairs")]
+    if pairs:
+        add("### Time to first token, one request at a time\n")
+        add(
+            "Single requests (128 prompt tokens, 16 output), alternating between the worker "
+            "and the control plane in front of it, after 5 pairs of warm-up:\n"
+        )
+        add(
+            "| run | pairs | worker p50 / p99 ms | control plane p50 / p99 ms "
+            "| overhead p50 / p99 ms |"
+        )
+        add("|---|---|---|---|---|")
+        for i, t in enumerate(pairs, 1):
+            w, s, o = t["worker_ms"], t["switchyard_ms"], t["overhead_ms"]
+            add(
+                f"| {i} | {t['pairs']} | {w['p50']:.2f} / {w['p99']:.2f} | "
+                f"{s['p50']:.2f} / {s['p99']:.2f} | +{o['p50']:.2f} / +{o['p99']:.2f} |"
+            )
+        add(
+            "\nThe target is at most 1 ms p50; **it is not met here** (+1.4 to +1.6 ms p50), "
+            "where the run reported in issue 10 measured +0.98 ms. Left for the control "
+            "plane's per-request cost (issue 11).\n"
+        )
+    add("### Quantization and KV-cache dtype (through the control plane, first passes)\n")
+    add(
+        "| setting | KV blocks (16 tokens) | 100: tokens/s | 100: TTFT p50 ms | 1000: tokens/s "
+        "| 1000: TTFT p50 ms | tokens/s vs bf16 (first pass, worker) |"
+    )
+    add("|---|---|---|---|---|---|---|")
+    bf16 = _workers(phases, "bf16", "workers_at_start")
+    quant_rows: list[tuple[str, dict[str, Any], list[dict[str, Any]]]] = []
+    for phase in phases:
+        for system in phase["systems"]:
+            if system.get("label") in ("fp8", "kv-fp8"):
+                quant_rows.append((system["label"], system["workers_at_start"][0], system["runs"]))
+    first_bf16 = [
+        r for ph in phases for s in ph["systems"] if s.get("label") == "bf16" for r in s["runs"]
+    ]
+    add(
+        f"| bf16 (`dtype: bfloat16`) | {int(bf16.get('kv_blocks_total', 0)):,} | "
+        f"{_fmt(p.get(('worker', 'first', 100)))} | "
+        f"{_first_ttft(first_bf16, 'worker', 100)} | {_fmt(p.get(('worker', 'first', 1000)))} | "
+        f"{_first_ttft(first_bf16, 'worker', 1000)} | 1.00 |"
+    )
+    for label, w, quant_runs in quant_rows:
+        setting = "`quantization: fp8`" if label == "fp8" else "`kv_cache_dtype: fp8`"
+        by = {int(r["requests"]): r for r in quant_runs}
+        ratio = " / ".join(
+            _ratio([by[n]["tokens_per_s"]], p.get(("worker", "first", n))) for n in (100, 1000)
+        )
+        add(
+            f"| {setting} | {int(w['kv_blocks_total']):,} | {by[100]['tokens_per_s']:,.0f} | "
+            f"{by[100]['ttft_ms']['p50']:.0f} | {by[1000]['tokens_per_s']:,.0f} | "
+            f"{by[1000]['ttft_ms']['p50']:.0f} | {ratio} |"
+        )
+    add(
+        "\nWhat ListWorkers reported for each engine (weight and KV dtypes, quantization, KV "
+        "blocks) is in `docs/benchmarks-gpu.json` (`workers_at_start`).\n"
+    )
+    t, used = _memory(phases)
+    if used:
+        under = _workers(phases, "bf16", "workers_under_load")
+        add("### GPU memory through the guide's workload\n")
+        add(
+            f"Sampled every 0.5 s by nvidia-smi through the 100-request run ({len(used)} "
+            f"samples): min {min(used):,.0f} MiB, max {max(used):,.0f} MiB of 143,771. "
+            "vLLM takes its whole `gpu_memory_utilization` share when it starts (weights, "
+            "activations, CUDA graphs, and every KV block it can fit), so the memory in use "
+            "does not move with load: what moves is the share of KV blocks in use, "
+            f"{int(under.get('kv_blocks_used', 0)):,} of {int(under.get('kv_blocks_total', 0)):,} "
+            "under 100 requests of 384 tokens (ListWorkers during the run). The guide saw "
+            "35-45 GB for vLLM; how much vLLM holds is what `gpu_memory_utilization` says, "
+            "0.85 of the card here, not what the load needs.\n"
+        )
+        add("![GPU memory](gpu-memory.png)\n")
+    add("Raw results: `docs/benchmarks-gpu.json`.")
+    add(END)
+    return "\n".join(lines)
+
+
+def _first_ttft(runs: list[dict[str, Any]], system: str, load: int) -> str:
+    for r in runs:
+        if r["system"] == system and int(r["requests"]) == load:
+            return f"{r['ttft_ms']['p50']:.0f}"
+    return "-"
+
+
+def splice(existing: str, block: str) -> str:
+    """`existing` with its GPU section replaced by `block` (or `block` appended)."""
+    if BEGIN in existing and END in existing:
+        head, _, rest = existing.partition(BEGIN)
+        _, _, tail = rest.partition(END)
+        return head + block + tail
+    return existing.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def kept_section(existing: str) -> str:
+    """The GPU section of `existing`, for bench.report to keep when it rewrites the rest."""
+    if BEGIN in existing and END in existing:
+        return BEGIN + existing.partition(BEGIN)[2].partition(END)[0] + END
+    return ""
+
+
+def write_report(folders: list[Path], docs: Path = DOCS) -> None:
+    phases = _load(folders)
+    if not phases:
+        raise SystemExit("no results in " + ", ".join(map(str, folders)))
+    raw = [{k: v for k, v in ph.items() if k != "gpu_memory_csv"} for ph in phases]
+    (docs / "benchmarks-gpu.json").write_text(json.dumps(raw, indent=1))
+    t, used = _memory(phases)
+    if used:
+        _plot(t, used, docs / "gpu-memory.png")
+    md = docs / "benchmarks.md"
+    md.write_text(splice(md.read_text() if md.exists() else "", section(phases)))
+    print(f"wrote {md}, {docs / 'benchmarks-gpu.json'}")

@@ -1,0 +1,15 @@
+"""The GPU section of docs/benchmarks.md survives the CPU benchmark rewriting the rest."""
+
+from __future__ import annotations
+
+from bench.gpu_report import BEGIN, END, kept_section, splice
+
+
+def test_the_gpu_section_is_replaced_in_place_and_kept() -> None:
+    doc = "# Benchmarks\n\nCPU tables\n"
+    first = splice(doc, f"{BEGIN}\nH200 v1\n{END}")
+    assert first.startswith("# Benchmarks") and "H200 v1" in first
+    second = splice(first + "\ntail\n", f"{BEGIN}\nH200 v2\n{END}")
+    assert "H200 v1" not in second and "H200 v2" in second and second.endswith("tail\n")
+    assert kept_section(second) == f"{BEGIN}\nH200 v2\n{END}"
+    assert kept_section(doc) == ""
