@@ -22,3 +22,21 @@ def start_process(
 ) -> Proc:
     """Start `executable args` (default: this Python) with its output in log_dir/name.log."""
     return start(name, [executable, *args], log_dir, f"127.0.0.1:{port}", log_level="info")
+
+
+def serve_startup_failure(config: Path, timeout: float = 280.0) -> str:
+    """Run `switchyard serve --config config`, which must fail to start (exit 1), and
+    return its last "startup failed" line: what the operator reads."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-m", "control", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert out.returncode == 1, out.stderr[-3000:]
+    failed = [line for line in out.stderr.splitlines() if "startup failed" in line]
+    assert failed, out.stderr[-3000:]
+    return failed[-1]

@@ -64,8 +64,8 @@ def worker_command(
     decodes. A TensorRT-LLM worker reads its limits from the engine's config.json and
     its EOS ids from the tokenizer's generation_config.json (a lone `eos_id` from the
     tokenizer would drop the others, as Llama 3 has); it is given the tokenizer's
-    directory and vocabulary to check against the engine. A vLLM worker that cannot
-    start writes why to `termination_log`.
+    directory and vocabulary to check against the engine. A worker that cannot start
+    writes why to `termination_log`.
     """
     args = dict(spec.engine_args)
     if spec.engine == "vllm":
@@ -85,6 +85,8 @@ def worker_command(
             args.setdefault("tokenizer", spec.tokenizer or model_path)
         if spec.engine == "sim":
             args = {f"sim_{k}": v for k, v in args.items()}
+        if termination_log is not None:
+            args["termination_log"] = str(termination_log)
     cmd += ["--port", str(port)]
     for key, value in sorted(args.items()):
         if isinstance(value, bool):

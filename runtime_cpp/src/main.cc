@@ -12,6 +12,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -52,7 +53,7 @@ struct Args {
 
 const char* kUsage =
     "usage: switchyard-cpp-worker --engine sim|trtllm --port N [--host 127.0.0.1]\n"
-    "  [--model NAME_OR_ENGINE_DIR] [--grace-s 10]\n"
+    "  [--model NAME_OR_ENGINE_DIR] [--grace-s 10] [--termination-log PATH]\n"
     "  sim (a simulator, not an engine): [--sim-vocab-size 32000] [--sim-max-context 4096]\n"
     "    [--sim-eos-id 2] [--sim-eos-every 0] [--sim-eos-convention vllm|trtllm]\n"
     "    [--sim-tokens-per-block 32] [--sim-kv-blocks 4096] [--sim-max-batch 256]\n"
@@ -193,6 +194,17 @@ std::unique_ptr<Executor> make_executor(const Args& a) {
 }
 
 
+// Why the worker cannot start: on stderr, and in --termination-log for its supervisor
+// (the control plane reads it and names the reason in its own "startup failed").
+int startup_failed(const Args& args, const std::string& message, int code) {
+  std::cerr << "switchyard-cpp-worker: " << message << std::endl;
+  if (args.kv.count("termination-log")) {
+    std::ofstream out(args.get("termination-log", ""), std::ios::trunc);
+    out << message << "\n";
+  }
+  return code;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -225,12 +237,10 @@ int main(int argc, char** argv) {
     executor = make_executor(args);
   } catch (const switchyard::rt::EngineConfigError& e) {
     // One line naming the field: the engine directory, a flag or the machine disagree.
-    std::cerr << "switchyard-cpp-worker: engine " << args.get("model", "") << ": " << e.what()
-              << std::endl;
-    return 2;
+    return startup_failed(args, "engine " + args.get("model", "") + ": " + e.what(), 2);
   } catch (const std::exception& e) {
-    std::cerr << "switchyard-cpp-worker: " << e.what() << "\n" << kUsage;
-    return 2;
+    std::cerr << kUsage;
+    return startup_failed(args, e.what(), 2);
   }
   const std::string address = args.get("host", "127.0.0.1") + ":" + args.get("port", "");
 
@@ -249,9 +259,8 @@ int main(int argc, char** argv) {
     builder.SetMaxReceiveMessageSize(64 * 1024 * 1024);
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
     if (!server || bound_port == 0) {
-      std::cerr << "switchyard-cpp-worker: cannot listen on " << address
-                << ": port in use (or not permitted)" << std::endl;
-      return 1;
+      return startup_failed(
+          args, "cannot listen on " + address + ": port in use (or not permitted)", 1);
     }
     auto* health = server->GetHealthCheckService();
     const std::string svc = switchyard::worker::v1::Worker::service_full_name();

@@ -3,8 +3,6 @@ types, and a setting the engine cannot start with fails the start naming it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -12,7 +10,7 @@ import pytest
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 from control.fleet.supervisor import free_port
-from tests.procs import start_process, wait_serving
+from tests.procs import serve_startup_failure, start_process, wait_serving
 
 pytestmark = pytest.mark.engine
 
@@ -91,17 +89,7 @@ def test_engine_settings_reach_vllm_with_their_types(tmp_path: Path) -> None:
 def test_a_setting_the_engine_refuses_fails_the_start_naming_it(
     tmp_path: Path, engine_args: str, expected: list[str]
 ) -> None:
-    cfg = config(tmp_path, free_port(), engine_args)
-    out = subprocess.run(
-        [sys.executable, "-m", "control", "serve", "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert out.returncode == 1, out.stderr[-3000:]
-    failed = [line for line in out.stderr.splitlines() if "startup failed" in line]
-    assert failed, out.stderr[-3000:]
+    failed = serve_startup_failure(config(tmp_path, free_port(), engine_args))
     for text in expected:
-        assert text in failed[-1], failed[-1]
-    assert "model tiny:" in failed[-1]
+        assert text in failed, failed
+    assert "model tiny:" in failed
