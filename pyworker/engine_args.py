@@ -184,10 +184,11 @@ def check_names(raw: Mapping[str, Any], names: Collection[str]) -> None:
             raise EngineArgsError(key, why)
 
 
-def _translate_swap_space(args: dict[str, Any], names: Collection[str]) -> None:
+def _translate_swap_space(args: dict[str, Any], names: Collection[str], machine: Machine) -> None:
     """`swap_space` (GiB of CPU memory per GPU for preempted requests) is gone since vLLM's
     V1 engine, which recomputes preempted requests instead of swapping them. The memory
-    it meant goes to KV-cache offloading to the CPU, its successor, as a total."""
+    it meant goes to KV-cache offloading to the CPU, its successor, as a total. On the
+    CPU the KV cache is in CPU memory already (and vLLM-CPU offloads nothing)."""
     gib = args.pop("swap_space")
     if not isinstance(gib, int | float) or isinstance(gib, bool) or gib < 0:
         raise EngineArgsError("swap_space", f"expected GiB as a number >= 0, got {gib!r}")
@@ -200,6 +201,13 @@ def _translate_swap_space(args: dict[str, Any], names: Collection[str]) -> None:
             ("swap_space", "kv_offloading_size"), "set one of them, not both (they are the same)"
         )
     if gib == 0:
+        return
+    if machine.platform == "cpu":
+        log.warning(
+            "swap_space ignored: on the CPU the KV cache is in CPU memory already "
+            "(VLLM_CPU_KVCACHE_SPACE or kv_cache_memory_bytes sizes it)",
+            swap_space_gib=gib,
+        )
         return
     ranks = int(args.get("tensor_parallel_size", 1) or 1)
     args["kv_offloading_size"] = float(gib) * ranks
@@ -226,7 +234,7 @@ def resolve(
     args = dict(raw)
     for key, translate in _TRANSLATIONS.items():
         if key in args:
-            translate(args, names)
+            translate(args, names, machine)
     facts = ModelFacts.read(model) if facts is None else facts
     _check_memory(args)
     _check_parallel(args, machine, facts)
@@ -392,6 +400,7 @@ _BLAME: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = tuple(
         (r"pipeline.parallel|pipeline stages", ("pipeline_parallel_size",)),
         (r"kv.cache.dtype|kv_cache_dtype", ("kv_cache_dtype",)),
         (r"quantiz", ("quantization",)),
+        (r"kv.?offload|offloading connector|cpu offloading is", ("kv_offloading_size",)),
         (r"cpu_offload|offload", ("cpu_offload_gb",)),
         (r"max_num_batched_tokens", ("max_num_batched_tokens",)),
         (r"max_num_seqs", ("max_num_seqs",)),
@@ -410,6 +419,13 @@ _SIZES_KV_CACHE = {
 }
 
 
+# Settings the operator may have given for the same thing as a pattern's first key.
+_RELATED = {
+    "gpu_memory_utilization": _SIZES_KV_CACHE,
+    "kv_offloading_size": {"kv_offloading_size", "swap_space"},
+}
+
+
 def blame(exc: BaseException, given: Iterable[str], names: Collection[str]) -> EngineArgsError:
     """vLLM's refusal, as an EngineArgsError naming the settings to change.
 
@@ -425,7 +441,7 @@ def blame(exc: BaseException, given: Iterable[str], names: Collection[str]) -> E
     for pattern, keys in _BLAME:
         if pattern.search(message):
             # Settings the operator gave that size the same thing come first.
-            related = _SIZES_KV_CACHE if keys[0] == "gpu_memory_utilization" else set(keys)
+            related = _RELATED.get(keys[0], set(keys))
             ordered = [k for k in given if k in related] + [k for k in keys if k not in given]
             return EngineArgsError(ordered, message)
     return EngineArgsError((), message)

@@ -231,3 +231,14 @@ def test_stderr_tail_reads_what_a_child_said_before_it_died() -> None:
     )
     assert "FOUND ValueError: KV cache too small" in out.stdout
     assert "KV cache too small" in out.stderr  # and it still reached the real stderr
+
+
+def test_swap_space_on_the_cpu_is_ignored(names: frozenset[str]) -> None:
+    args = resolve({"swap_space": 4}, "/m", CPU, names, LLAMA_8B)
+    assert "swap_space" not in args and "kv_offloading_size" not in args
+
+
+def test_a_kv_offloading_refusal_names_the_setting_given(names: frozenset[str]) -> None:
+    said = "RuntimeError: Worker failed with error 'CPU Offloading is currently only supported"
+    error = blame(RuntimeError(said), ["swap_space"], names)
+    assert error.keys == ("swap_space", "kv_offloading_size")
