@@ -174,14 +174,20 @@ async def ttft_probe(
 ) -> dict[str, dict[str, float]]:
     """Time to first token, one request at a time, the targets alternating request by
     request (so both see the same moments of a noisy machine): p50 and p99 over many
-    samples, for the TTFT-overhead target."""
+    samples, for the TTFT-overhead target. Each target gets prompts of its own: where the
+    targets share an engine, a prompt the other just sent would hit its prefix cache."""
     targets = [make() for make in factories]
     work = Workload(
-        requests=requests, prompt_len=(prompt_len, prompt_len), output_len=(2, 2), seed=seed
-    )
+        requests=requests * len(targets),
+        prompt_len=(prompt_len, prompt_len),
+        output_len=(2, 2),
+        seed=seed,
+    ).items()
     samples: dict[str, list[float]] = {t.name: [] for t in targets}
-    for i, (prompt, n) in enumerate(work.items()):
-        for t in targets if i % 2 == 0 else list(reversed(targets)):
+    for i in range(requests):
+        order = list(enumerate(targets)) if i % 2 == 0 else list(reversed(list(enumerate(targets))))
+        for j, t in order:
+            prompt, n = work[i * len(targets) + j]
             rec = await one_request(t, prompt, n)
             if rec.error is None and rec.ttft is not None:
                 samples[t.name].append(rec.ttft * 1000)

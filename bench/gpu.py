@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from typing import Any
 import structlog
 
 from bench import systems
-from bench.loadgen import Workload, closed_loop, make_target, one_request
+from bench.loadgen import Workload, closed_loop, make_target
 from switchyard_common.logs import configure_logging
 
 log = structlog.get_logger(__name__)
@@ -153,7 +152,15 @@ def run_load(target: str, address: str, model: str, requests: int, seed: int = 0
         ]  # fmt: skip
 
     children = [subprocess.Popen(argv(i), stdout=subprocess.PIPE, text=True) for i in range(procs)]
-    parts = [json.loads(c.communicate(timeout=600)[0].strip().splitlines()[-1]) for c in children]
+    try:
+        parts = [
+            json.loads(c.communicate(timeout=600)[0].strip().splitlines()[-1]) for c in children
+        ]
+    finally:
+        for c in children:  # one that failed leaves none of the others behind
+            if c.poll() is None:
+                c.kill()
+                c.wait()
     begin = min(p["wall_start"] for p in parts)
     end = max(p["wall_end"] for p in parts)
     ttft = sorted(x for p in parts for x in p["ttft_ms"])
@@ -283,38 +290,30 @@ def gpu_memory_sampler(path: Path, interval_ms: int = 500) -> Iterator[None]:
             yield
         finally:
             proc.terminate()
-            proc.wait(10)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def ttft_pairs(cp: str, worker: str, model: str) -> dict[str, Any]:
-    """Single requests, alternating between the worker and the control plane in front."""
+    """Single requests, alternating between the worker and the control plane in front
+    (bench.compare's probe: distinct prompts, so neither hits the other's prefix cache)."""
+    from bench.compare import ttft_probe
 
-    async def go() -> dict[str, list[float]]:
-        targets = {
-            "worker": make_target("worker", worker, model),
-            "switchyard": make_target("switchyard", cp, model),
-        }
-        got: dict[str, list[float]] = {k: [] for k in targets}
-        prompts = workload(TTFT_PAIRS + 5, seed=7).items()
-        try:
-            for i, (prompt, _) in enumerate(prompts):
-                for name, target in targets.items():
-                    rec = await one_request(target, prompt, 16)
-                    if i >= 5 and rec.ttft is not None:  # the first few warm up
-                        got[name].append(rec.ttft * 1000)
-        finally:
-            for target in targets.values():
-                await target.close()
-        return got
-
-    got = asyncio.run(go())
-    w, s = _pcts(got["worker"]), _pcts(got["switchyard"])
+    factories = [
+        lambda: make_target("worker", worker, model),
+        lambda: make_target("switchyard", cp, model),
+    ]
+    got = asyncio.run(ttft_probe(factories, TTFT_PAIRS, PROMPT))
+    w, s = got["worker"], got["switchyard"]
     return {
-        "pairs": len(got["worker"]),
+        "pairs": int(w["samples"]),
         "worker_ms": w,
         "switchyard_ms": s,
-        "overhead_ms": {k: s[k] - w[k] for k in ("p50", "p90", "p99")},
-        "overhead_mean_ms": statistics.fmean(got["switchyard"]) - statistics.fmean(got["worker"]),
+        "overhead_ms": {k: s[k] - w[k] for k in ("p50", "p99")},
+        "distinct_prompts": True,
     }
 
 

@@ -130,7 +130,7 @@ def write(data: dict[str, Any], out_dir: Path) -> None:
     if probe:
         add(
             "One request at a time, the direct worker and the control plane alternating "
-            "request by request (2 output tokens, the same prompts): TTFT "
+            "request by request (2 output tokens, each with prompts of its own): TTFT "
             + "; ".join(
                 f"{LABELS.get(k, k)} p50 {v['p50']:.2f} ms, p99 {v['p99']:.2f} ms "
                 f"({int(v['samples'])} requests)"

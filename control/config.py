@@ -221,19 +221,10 @@ def parse_model(m: object, key: str) -> ModelSpec:
     engine_args = m.get("engine_args", {})
     if not isinstance(engine_args, dict):
         raise ConfigError(f"{key}.engine_args", "expected a mapping")
-    if engine == "vllm":
+    if engine == "vllm":  # vLLM's own names and types: the worker checks them against vLLM
         _check_vllm_engine_args(engine_args, f"{key}.engine_args")
     else:
-        _no_unknown_keys(engine_args, set(ENGINE_ARG_KEYS[engine]), f"{key}.engine_args")
-    for arg, v in engine_args.items():
-        where = f"{key}.engine_args.{arg}"
-        if engine == "vllm":
-            pass  # vLLM's own types, checked by the worker against vLLM
-        elif arg in _POSITIVE_INT_ARGS:
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(where, f"expected a positive integer, got {v!r}")
-        elif not isinstance(v, (int, float, str, bool)):
-            raise ConfigError(where, f"expected a number or a string, got {v!r}")
+        _check_cpp_engine_args(engine, engine_args, f"{key}.engine_args")
     routing = m.get("routing", "least_load")
     if routing not in ROUTING_POLICIES:
         raise ConfigError(
@@ -271,6 +262,18 @@ def parse_model(m: object, key: str) -> ModelSpec:
         dns_interval_s=_number(discovery, "interval_s", 10.0, f"{key}.discovery"),
         worker_stream=worker_stream,
     )
+
+
+def _check_cpp_engine_args(engine: str, args: dict[Any, Any], key: str) -> None:
+    """The C++ worker's flags for `engine`: known names, numbers or strings."""
+    _no_unknown_keys(args, set(ENGINE_ARG_KEYS[engine]), key)
+    for arg, v in args.items():
+        where = f"{key}.{arg}"
+        if arg in _POSITIVE_INT_ARGS:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(where, f"expected a positive integer, got {v!r}")
+        elif not isinstance(v, (int, float, str, bool)):
+            raise ConfigError(where, f"expected a number or a string, got {v!r}")
 
 
 _IDENTIFIER_RE = re.compile(r"^[a-z_][a-z0-9_]*$")

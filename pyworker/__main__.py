@@ -101,12 +101,18 @@ async def run(args: argparse.Namespace, tail: StderrTail | None = None) -> int:
     try:
         engine = build_engine(args.model, args.engine_args, tail)
     except EngineArgsError as exc:
+        if tail is not None:
+            tail.detach()
         reservation.release()
         return startup_failed(args, str(exc))
     except Exception as exc:
+        if tail is not None:
+            tail.detach()
         log.exception("engine failed to load", model=args.model)
         reservation.release()
         return startup_failed(args, f"engine failed to load: {type(exc).__name__}: {exc}")
+    if tail is not None:
+        tail.detach()
     log.info("startup", seconds=round(time.monotonic() - started, 1))
     code = EXIT_STARTUP_FAILED
     try:

@@ -199,12 +199,16 @@ def build_engine(
     from vllm.v1.engine.async_llm import AsyncLLM
 
     names = engine_arg_names()
-    kwargs = resolve(engine_args, model, current_machine(), names)
+    machine = current_machine()
+    kwargs = resolve(engine_args, model, machine, names)
     log.info("checking engine settings", model=model, engine_args=kwargs)
     try:
         vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()
     except Exception as exc:
-        raise blame(exc, engine_args, names) from exc
+        named = blame(exc, engine_args, names)
+        if named is None:
+            raise
+        raise named from exc
 
     load = LoadStats()
     started = time.monotonic()
@@ -215,12 +219,13 @@ def build_engine(
         )
     except Exception as exc:
         said = tail.engine_failure() if tail is not None else None
-        if said is None:
+        named = blame(RuntimeError(said), engine_args, names) if said else None
+        if named is None:
             raise
-        raise blame(RuntimeError(said), engine_args, names) from exc
+        raise named from exc
     info = engine_info(llm, model)
     batched = int(getattr(llm.vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
-    if 0 < batched < info.max_context and current_machine().platform == "cpu":
+    if 0 < batched < info.max_context and machine.platform == "cpu":
         log.warning(
             "prompts longer than max_num_batched_tokens are split across prefill steps; "
             "on vLLM-CPU a seeded request split that way kills the engine",

@@ -71,6 +71,7 @@ class ModelFacts:
     num_key_value_heads: int | None = None
     num_hidden_layers: int | None = None
     quant_method: str | None = None
+    found: bool = False  # config.json was read (not a hub name, say)
 
     @classmethod
     def read(cls, model: str) -> ModelFacts:
@@ -96,6 +97,7 @@ class ModelFacts:
             num_key_value_heads=num("num_key_value_heads"),
             num_hidden_layers=num("num_hidden_layers"),
             quant_method=str(method).lower() if method else None,
+            found=True,
         )
 
 
@@ -156,7 +158,10 @@ class EngineArgSchema(Collection[str]):
                 return None
             self._adapters[key] = adapter
         try:
-            adapter.validate_python(value, strict=not isinstance(value, dict))
+            if isinstance(value, dict):  # a nested config: vLLM converts it itself
+                adapter.validate_python(value)
+            else:  # as JSON, strictly: enums take their values, but "0.9" is no float
+                adapter.validate_json(json.dumps(value), strict=True)
         except pydantic.ValidationError as exc:
             first = exc.errors()[0]
             return f"{first['msg']}, got {value!r}"
@@ -210,6 +215,7 @@ def _translate_swap_space(args: dict[str, Any], names: Collection[str], machine:
         )
         return
     ranks = int(args.get("tensor_parallel_size", 1) or 1)
+    ranks *= int(args.get("pipeline_parallel_size", 1) or 1)
     args["kv_offloading_size"] = float(gib) * ranks
     log.warning(
         "swap_space: vLLM's V1 engine does not swap; the memory goes to KV-cache offloading "
@@ -320,7 +326,7 @@ def _check_quantization(args: Mapping[str, Any], machine: Machine, facts: ModelF
         raise EngineArgsError(
             "quantization", f"{method!r} is not a quantization method of this vLLM{hint}"
         )
-    if facts.quant_method is None and method not in _quantize_at_load():
+    if facts.found and facts.quant_method is None and method not in _quantize_at_load():
         raise EngineArgsError(
             "quantization",
             f"{method!r} needs a checkpoint quantized with it, and the model's config.json "
@@ -426,8 +432,11 @@ _RELATED = {
 }
 
 
-def blame(exc: BaseException, given: Iterable[str], names: Collection[str]) -> EngineArgsError:
-    """vLLM's refusal, as an EngineArgsError naming the settings to change.
+def blame(
+    exc: BaseException, given: Iterable[str], names: Collection[str]
+) -> EngineArgsError | None:
+    """vLLM's refusal, as an EngineArgsError naming the settings to change, or None when
+    it names none (a missing model, a bug: the caller keeps the original error).
 
     pydantic's errors carry the field; otherwise vLLM's message decides. The settings
     given come first among those named, so that the operator sees their own key.
@@ -444,7 +453,7 @@ def blame(exc: BaseException, given: Iterable[str], names: Collection[str]) -> E
             related = _RELATED.get(keys[0], set(keys))
             ordered = [k for k in given if k in related] + [k for k in keys if k not in given]
             return EngineArgsError(ordered, message)
-    return EngineArgsError((), message)
+    return None
 
 
 def _pydantic_fields(exc: BaseException, names: Collection[str]) -> list[str]:

@@ -5,7 +5,8 @@ parent's exception only says "see root cause above": the reason (a KV cache too 
 for `max_model_len`, say) was logged by the child. `StderrTail` puts a pipe behind file
 descriptor 2 before the child is started, so the child inherits it, and one thread
 copies everything through to the real stderr while it keeps the last lines for
-`engine_failure()`. The thread runs for the life of the process: children write to the
+`engine_failure()`. Once the engine is built (or has failed), `detach()` gives this
+process its real stderr back; the thread runs on for the children, which write to the
 pipe for as long as they live.
 """
 
@@ -37,19 +38,30 @@ class StderrTail:
         self._thread = threading.Thread(target=self._pump, name="stderr-tail", daemon=True)
         self._thread.start()
 
+    def detach(self) -> None:
+        """Point this process's own stderr back at the real one (once its children are
+        started: they keep the pipe, and `engine_failure()` still reads them). What this
+        process writes from now on cannot be lost in the pipe when it exits."""
+        sys.stderr.flush()
+        os.dup2(self._real, 2)
+
     def _pump(self) -> None:
-        while True:
-            try:
-                chunk = os.read(self._read_end, 65536)
-            except OSError:
-                return
-            if not chunk:
-                return
-            try:
-                os.write(self._real, chunk)
-            except OSError:
-                pass  # the real stderr is gone; keep the lines anyway
-            self._keep(chunk)
+        try:
+            while True:
+                try:
+                    chunk = os.read(self._read_end, 65536)
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                try:
+                    os.write(self._real, chunk)
+                except OSError:
+                    pass  # the real stderr is gone; keep the lines anyway
+                self._keep(chunk)
+        finally:
+            # Should this thread ever stop, nothing of ours may block on a full pipe.
+            self.detach()
 
     def _keep(self, chunk: bytes) -> None:
         *complete, self._partial = (self._partial + chunk).split(b"\n")

@@ -69,7 +69,8 @@ def _engine_shape(w: WorkerClient) -> dict[str, Any]:
             weight_dtype=info.weight_dtype,
             kv_cache_dtype=info.kv_cache_dtype,
             kv_block_size=info.kv_block_size,
-            kv_blocks_total=info.kv_blocks_total,
+            # A TensorRT-LLM worker knows its blocks only once the engine has stepped.
+            kv_blocks_total=info.kv_blocks_total or load.kv_blocks_used + load.kv_blocks_free,
             gpu_memory_total_bytes=info.gpu_memory_total_bytes,
             max_context=info.max_context,
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -35,7 +36,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def termination_log_path(name: str, port: int) -> Path:
     """Where local worker `name` writes why it could not start (like Kubernetes'
     terminationMessagePath); unique per control plane, worker and port."""
-    return Path(tempfile.gettempdir()) / f"switchyard-{os.getpid()}-{name}-{port}.termination"
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)  # model names may hold "/"
+    return Path(tempfile.gettempdir()) / f"switchyard-{os.getpid()}-{safe}-{port}.termination"
 
 
 def cpp_worker_binary() -> str:

@@ -425,7 +425,11 @@ void WorkerService::fill_load(wv1::LoadReport* report) {
     }
     report->set_generation_tokens_per_s(rate_);
   }
-  report->set_gpu_memory_used_bytes(executor_.gpu_memory().used_bytes);
+  try {
+    report->set_gpu_memory_used_bytes(executor_.gpu_memory().used_bytes);
+  } catch (const std::exception&) {
+    // No reading this time (a CUDA error, say); the report goes out without it.
+  }
   report->set_timestamp_s(
       std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
 }

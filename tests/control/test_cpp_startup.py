@@ -59,3 +59,4 @@ def test_serve_repeats_what_the_cpp_worker_said(tmp_path: Path, tiny_model_dir: 
     failed = serve_startup_failure(cfg, timeout=120)
     # The worker's own reason, not "exited with code 2 (its log is above)".
     assert "model t:" in failed and "exited with code" not in failed, failed
+    assert "world_size" in failed or "built without TensorRT-LLM" in failed, failed

@@ -26,6 +26,7 @@ LLAMA_8B = ModelFacts(
     num_attention_heads=32,
     num_key_value_heads=8,
     num_hidden_layers=32,
+    found=True,
 )
 # The settings the deployment guide discusses, with a value each (issue 10).
 GUIDE_SETTINGS = {
@@ -73,9 +74,10 @@ def test_every_setting_the_guide_discusses_passes_with_its_type(names: frozenset
 
 
 def test_swap_space_counts_per_gpu_like_it_did(names: frozenset[str]) -> None:
-    two = Machine("cuda", 2, 90)
-    args = resolve({"swap_space": 4, "tensor_parallel_size": 2}, "/m", two, names, LLAMA_8B)
-    assert args["kv_offloading_size"] == 8.0  # a total across ranks now
+    four = Machine("cuda", 4, 90)
+    raw = {"swap_space": 4, "tensor_parallel_size": 2, "pipeline_parallel_size": 2}
+    args = resolve(raw, "/m", four, names, LLAMA_8B)
+    assert args["kv_offloading_size"] == 16.0  # a total across ranks now
     error = check({"swap_space": 4, "kv_offloading_size": 2}, names)
     assert error.keys == ("swap_space", "kv_offloading_size")
 
@@ -155,7 +157,7 @@ def test_a_quantization_the_checkpoint_lacks_is_refused(names: frozenset[str]) -
     error = check({"quantization": "awq"}, names)
     assert error.keys == ("quantization",)
     assert "needs a checkpoint quantized with it" in error.reason and "fp8" in error.reason
-    awq = ModelFacts(num_attention_heads=32, quant_method="awq")
+    awq = ModelFacts(num_attention_heads=32, quant_method="awq", found=True)
     resolve({"quantization": "awq"}, "/m", ONE_H200, names, awq)
     resolve({"quantization": "fp8"}, "/m", ONE_H200, names, LLAMA_8B)  # quantized at load
 
@@ -196,6 +198,7 @@ def vllm_refusal(tiny_model_dir: Path, **kwargs: object) -> BaseException:
 def test_vllm_refusing_max_model_len_names_it(names: frozenset[str], tiny_model_dir: Path) -> None:
     exc = vllm_refusal(tiny_model_dir, max_model_len=4096)
     error = blame(exc, ["max_model_len"], names)
+    assert error is not None
     assert error.keys[0] == "max_model_len"
     assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN" in error.reason  # vLLM's way to override
 
@@ -203,6 +206,7 @@ def test_vllm_refusing_max_model_len_names_it(names: frozenset[str], tiny_model_
 def test_vllm_config_errors_name_the_field(names: frozenset[str], tiny_model_dir: Path) -> None:
     exc = vllm_refusal(tiny_model_dir, max_logprobs=-2)  # vLLM's pydantic config refuses it
     error = blame(exc, ["max_logprobs"], names)
+    assert error is not None
     assert error.keys == ("max_logprobs",) and "greater than or equal to -1" in error.reason
 
 
@@ -212,6 +216,7 @@ def test_a_kv_cache_too_small_names_the_settings_to_change(names: frozenset[str]
         "(0.5 GiB KV cache is needed, which is larger than the available KV cache memory"
     )
     error = blame(RuntimeError(said), ["max_model_len"], names)
+    assert error is not None
     assert error.keys == ("max_model_len", "gpu_memory_utilization")
     assert str(error).startswith("engine_args.max_model_len / engine_args.gpu_memory_utilization")
 
@@ -241,4 +246,23 @@ def test_swap_space_on_the_cpu_is_ignored(names: frozenset[str]) -> None:
 def test_a_kv_offloading_refusal_names_the_setting_given(names: frozenset[str]) -> None:
     said = "RuntimeError: Worker failed with error 'CPU Offloading is currently only supported"
     error = blame(RuntimeError(said), ["swap_space"], names)
+    assert error is not None
     assert error.keys == ("swap_space", "kv_offloading_size")
+
+
+def test_an_error_vllm_does_not_pin_on_a_setting_is_not_blamed_on_one(
+    names: frozenset[str],
+) -> None:
+    assert blame(FileNotFoundError("no such model"), ["seed"], names) is None
+
+
+def test_enum_settings_take_their_values(names: frozenset[str]) -> None:
+    if "optimization_level" not in names:
+        pytest.skip("this vLLM has no optimization_level (an enum-typed setting)")
+    resolve({"optimization_level": 2}, "/m", ONE_H200, names, LLAMA_8B)
+
+
+def test_a_hub_name_is_not_taken_for_an_unquantized_checkpoint(names: frozenset[str]) -> None:
+    facts = ModelFacts.read("TheBloke/Llama-2-7B-AWQ")  # no config.json here to read
+    assert not facts.found
+    resolve({"quantization": "awq"}, "TheBloke/Llama-2-7B-AWQ", ONE_H200, names, facts)
