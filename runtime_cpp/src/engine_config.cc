@@ -103,6 +103,15 @@ std::string quant_string(const Node& q, const std::string& key) {
   return s == "NO_QUANT" ? "" : s;
 }
 
+// plugin_config, in either layout; the paged KV cache became the default with trtllm-build.
+void read_plugin_config(const Node& plugin, bool paged_by_default, EngineConfig* c) {
+  c->paged_kv_cache = plugin.boolean("paged_kv_cache", paged_by_default);
+  c->use_paged_context_fmha = plugin.boolean("use_paged_context_fmha", false);
+  c->tokens_per_block = plugin.integer("tokens_per_block", c->paged_kv_cache ? std::nullopt
+                                                                           : std::optional(0),
+                                       c->paged_kv_cache ? 1 : 0);
+}
+
 void parse_new_layout(const Json& root, EngineConfig* c) {
   const Node top{root, ""};
   c->layout = "build_config";
@@ -136,11 +145,7 @@ void parse_new_layout(const Json& root, EngineConfig* c) {
   c->max_beam_width = build.integer("max_beam_width", 1);
   c->max_num_tokens = build.integer("max_num_tokens", 0, 0);
   const Node plugin = build.object("plugin_config");
-  c->paged_kv_cache = plugin.boolean("paged_kv_cache", true);
-  c->use_paged_context_fmha = plugin.boolean("use_paged_context_fmha", false);
-  c->tokens_per_block = plugin.integer("tokens_per_block", c->paged_kv_cache ? std::nullopt
-                                                                           : std::optional(0),
-                                       c->paged_kv_cache ? 1 : 0);
+  read_plugin_config(plugin, /*paged_by_default=*/true, c);
 }
 
 void parse_old_layout(const Json& root, EngineConfig* c) {
@@ -175,11 +180,7 @@ void parse_old_layout(const Json& root, EngineConfig* c) {
   c->max_beam_width = builder.integer("max_beam_width", 1);
   c->max_num_tokens = builder.integer("max_num_tokens", 0, 0);
   const Node plugin = top.object("plugin_config");
-  c->paged_kv_cache = plugin.boolean("paged_kv_cache", false);
-  c->use_paged_context_fmha = plugin.boolean("use_paged_context_fmha", false);
-  c->tokens_per_block = plugin.integer("tokens_per_block", c->paged_kv_cache ? std::nullopt
-                                                                           : std::optional(0),
-                                       c->paged_kv_cache ? 1 : 0);
+  read_plugin_config(plugin, /*paged_by_default=*/false, c);
 }
 
 std::string read_file(const std::filesystem::path& path, const std::string& field) {
