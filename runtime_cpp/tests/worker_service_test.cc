@@ -73,12 +73,11 @@ TEST_F(WorkerServiceTest, ClientCancelCancelsTheEngineRequest) {
   ASSERT_TRUE(reader->Read(&msg));
   EXPECT_EQ(running(), 1);
   ctx.TryCancel();
-  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-  while (running() != 0 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  // The worker's count drops when the stream ends; the engine's own count at its next step.
+  const auto engine_active = [&] { return sim_->latest_stats()->active_requests; };
+  EXPECT_TRUE(eventually([&] { return running() == 0 && engine_active() == 0; }));
   EXPECT_EQ(running(), 0);
-  EXPECT_EQ(sim_->latest_stats()->active_requests, 0);
+  EXPECT_EQ(engine_active(), 0);
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
 }
 
@@ -89,7 +88,7 @@ TEST_F(WorkerServiceTest, AbortByIdEndsWithCancelled) {
     grpc::ClientContext ctx;
     s = read_all(&ctx, gen(5000, "to-abort"));
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_TRUE(eventually([&] { return running() == 1; })) << "the stream never started";
   grpc::ClientContext actx;
   wv1::AbortRequest areq;
   areq.add_request_ids("to-abort");
