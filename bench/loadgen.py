@@ -145,6 +145,74 @@ class WorkerTarget(_GrpcTarget):
                 yield len(msg.chunk.token_ids)
 
 
+class WorkerStreamTarget(_GrpcTarget):
+    """switchyard.worker.v1.Worker/GenerateStream (a worker called directly, the way the
+    control plane calls it): every stream of this client over one GenerateStream, one
+    message per engine step."""
+
+    def __init__(self, address: str, name: str = "worker-stream") -> None:
+        from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
+
+        super().__init__(address, name)
+        self._pb = worker_pb2
+        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._queues: dict[int, asyncio.Queue[Any]] = {}
+        self._outbox: asyncio.Queue[Any] = asyncio.Queue()
+        self._next = 0
+        self._reader: asyncio.Task[None] | None = None
+
+    async def _requests(self) -> AsyncIterator[Any]:
+        while True:
+            first = await self._outbox.get()
+            starts = [first]
+            while not self._outbox.empty():
+                starts.append(self._outbox.get_nowait())
+            yield self._pb.StreamRequest(start=starts)
+
+    async def _read(self) -> None:
+        try:
+            async for msg in self._stub.GenerateStream(self._requests()):
+                for event in msg.events:
+                    q = self._queues.get(event.attempt_id)
+                    if q is not None:
+                        q.put_nowait(event)
+        except Exception as exc:  # every open stream hears it
+            for q in self._queues.values():
+                q.put_nowait(exc)
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> AsyncIterator[int]:
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read())
+        self._next += 1
+        attempt = self._next
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[attempt] = q
+        self._outbox.put_nowait(
+            self._pb.GenerateRequest(
+                prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, attempt_id=attempt
+            )
+        )
+        try:
+            while True:
+                event = await q.get()
+                if isinstance(event, Exception):
+                    raise event
+                if event.HasField("chunk"):
+                    yield len(event.chunk.token_ids)
+                elif event.HasField("error"):
+                    raise RuntimeError(f"worker error {event.error.code}: {event.error.message}")
+                else:
+                    return
+        finally:
+            del self._queues[attempt]
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        await super().close()
+
+
 class OpenAIHttpTarget(_HttpTarget):
     """POST /v1/completions with stream=true (vLLM's OpenAI server, SMG's HTTP front)."""
 
@@ -345,7 +413,7 @@ def summarize(system: str, mode: str, load: float, records: list[Record]) -> Sum
     )
 
 
-TARGETS = ("switchyard", "worker", "vllm-grpc", "smg", "openai")
+TARGETS = ("switchyard", "worker", "worker-stream", "vllm-grpc", "smg", "openai")
 
 
 def make_target(kind: str, address: str, model: str, connections: int = 1) -> Target:
@@ -354,6 +422,8 @@ def make_target(kind: str, address: str, model: str, connections: int = 1) -> Ta
         return SwitchyardTarget(address, model, connections=connections)
     if kind == "worker":
         return WorkerTarget(address)
+    if kind == "worker-stream":
+        return WorkerStreamTarget(address)
     if kind == "vllm-grpc":
         return VllmGrpcTarget(address)
     if kind == "smg":

@@ -262,44 +262,28 @@ def vllm_openai_server(
 @contextlib.contextmanager
 def sim_workers(n: int, log_dir: Path, step_us: int = 200) -> Iterator[list[str]]:
     """C++ workers on a simulator so fast that the engine is never the bottleneck."""
+    with sim_worker_procs(n, log_dir, step_us) as procs:
+        yield [p.address for p in procs]
+
+
+@contextlib.contextmanager
+def sim_worker_procs(n: int, log_dir: Path, step_us: int = 200) -> Iterator[list[Proc]]:
+    """`sim_workers`, as their processes (each with its address)."""
     procs: list[Proc] = []
-    addresses: list[str] = []
     try:
         for i in range(n):
             port = free_port()
-            procs.append(
-                start(
-                    f"sim-{i}",
-                    [
-                        cpp_worker_binary(),
-                        "--engine",
-                        "sim",
-                        "--port",
-                        str(port),
-                        "--sim-vocab-size",
-                        "512",
-                        "--sim-max-context",
-                        "2048",
-                        "--sim-eos-id",
-                        "1",
-                        "--sim-decode-step-us",
-                        str(step_us),
-                        "--sim-decode-us-per-request",
-                        "0",
-                        "--sim-prefill-us-per-token",
-                        "0",
-                        "--sim-max-batch",
-                        "4096",
-                        "--sim-kv-blocks",
-                        "1000000",
-                    ],
-                    log_dir,
-                )
-            )
-            addresses.append(f"127.0.0.1:{port}")
-        for p, a in zip(procs, addresses, strict=True):
-            wait_grpc_serving(p, a)
-        yield addresses
+            argv = [
+                cpp_worker_binary(), "--engine", "sim", "--port", str(port),
+                "--sim-vocab-size", "512", "--sim-max-context", "2048", "--sim-eos-id", "1",
+                "--sim-decode-step-us", str(step_us), "--sim-decode-us-per-request", "0",
+                "--sim-prefill-us-per-token", "0", "--sim-max-batch", "4096",
+                "--sim-kv-blocks", "1000000",
+            ]  # fmt: skip
+            procs.append(start(f"sim-{i}", argv, log_dir, f"127.0.0.1:{port}"))
+        for p in procs:
+            wait_grpc_serving(p, p.address)
+        yield procs
     finally:
         for p in procs:
             p.stop()

@@ -69,6 +69,7 @@ class Generations:
         self._engine = engine
         self._inflight: dict[str, InFlight] = {}
         self._rate = TokenRate(window_s=rate_window_s)
+        self._background: set[asyncio.Task[None]] = set()
 
     @property
     def engine(self) -> Engine:
@@ -77,6 +78,18 @@ class Generations:
     @property
     def in_flight(self) -> int:
         return len(self._inflight)
+
+    def count_tokens(self, n: int) -> None:
+        self._rate.add(n)
+
+    def keep(self, task: asyncio.Task[None]) -> None:
+        """Hold a background task (an abort) until it is done."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain_background(self) -> None:
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
 
     def admit(self, request: Any, request_id: str) -> tuple[InFlight, ParsedGenerate]:
         """Validate a request and count it in flight as the engine's `request_id`;
@@ -205,7 +218,7 @@ class Generations:
                             chunk = worker_pb2.Chunk(token_ids=token_ids)
                             if parsed.logprobs is not None and completion.logprobs:
                                 chunk.logprobs.extend(
-                                    _logprobs(token_ids, completion.logprobs, parsed.logprobs)
+                                    logprobs(token_ids, completion.logprobs, parsed.logprobs)
                                 )
                             if sink.blocking:
                                 await _outside(budget, when, sink.chunk(chunk))
@@ -218,11 +231,11 @@ class Generations:
                     if out.finished:
                         # Built before the request counts as finished, so that a fault
                         # here still ends it with an error rather than with nothing.
-                        final = self._final(parsed, state, completion, last_token)
+                        final = self.final_for(parsed, state, completion, last_token)
                         final.usage.prompt_tokens = len(parsed.prompt_token_ids)
                         final.usage.completion_tokens = completion_tokens
                         final.usage.cached_prompt_tokens = cached_tokens
-                        final.queue_ms = _queue_ms(getattr(out, "metrics", None))
+                        final.queue_ms = queue_ms(getattr(out, "metrics", None))
                         if first_token_at is not None:
                             final.time_to_first_token_ms = (first_token_at - arrived) * 1000.0
                         state.finished = True
@@ -255,11 +268,11 @@ class Generations:
         completion_tokens: int,
         parsed: ParsedGenerate,
     ) -> None:
-        message = _describe(exc)
+        message = describe(exc)
         if completion_tokens == 0:
-            kind = _classify(exc)
+            kind = classify(exc)
             if kind is InvalidArgument:
-                raise InvalidArgument.field(_client_field(exc), message) from exc
+                raise InvalidArgument.field(client_field(exc), message) from exc
             if kind is Overloaded:
                 raise Overloaded(f"the engine is full: {message}") from exc
             raise EngineFailure(f"engine error: {message}") from exc
@@ -275,7 +288,7 @@ class Generations:
         state.finished = True
         await sink.final(final)
 
-    def _final(
+    def final_for(
         self, parsed: ParsedGenerate, state: InFlight, completion: Any, last_token: int | None
     ) -> Any:
         """A Final with the finish and stop reasons; the caller fills usage and timing."""
@@ -321,7 +334,7 @@ class Generations:
                 await self._engine.llm.abort(ids)
             except Exception as exc:
                 log.error("engine abort failed", request_ids=ids, exc_info=True)
-                raise EngineFailure(f"engine abort failed: {_describe(exc)}") from exc
+                raise EngineFailure(f"engine abort failed: {describe(exc)}") from exc
             log.info("aborted", request_ids=ids)
         return len(ids)
 
@@ -357,7 +370,7 @@ async def _outside(budget: asyncio.Timeout, when: float | None, send: Awaitable[
         budget.reschedule(when)
 
 
-def _logprobs(token_ids: list[int], positions: Iterable[Any], top_n: int) -> list[Any]:
+def logprobs(token_ids: list[int], positions: Iterable[Any], top_n: int) -> list[Any]:
     """One TokenLogprob per token: the chosen token's logprob and the top-n alternatives."""
     result = []
     for token_id, position in zip(token_ids, positions, strict=False):
@@ -382,7 +395,7 @@ def _logprobs(token_ids: list[int], positions: Iterable[Any], top_n: int) -> lis
     return result
 
 
-def _queue_ms(metrics: Any) -> float:
+def queue_ms(metrics: Any) -> float:
     """Engine arrival until first scheduled, from vLLM's per-request stats if present."""
     if metrics is None:
         return 0.0
@@ -394,7 +407,7 @@ def _queue_ms(metrics: Any) -> float:
     return float(in_queue) * 1000.0 if in_queue else 0.0
 
 
-def _classify(exc: BaseException) -> type[WorkerError] | None:
+def classify(exc: BaseException) -> type[WorkerError] | None:
     """What vLLM's own error says about the request: the client's fault (its
     `VLLMClientError` family), a full engine (queue or prefill backlog limits), or
     nothing (an engine fault). Releases without `vllm.exceptions` say nothing, and a bare
@@ -419,7 +432,7 @@ def _classify(exc: BaseException) -> type[WorkerError] | None:
     return None
 
 
-def _client_field(exc: BaseException) -> str:
+def client_field(exc: BaseException) -> str:
     cause: BaseException | None = exc
     while cause is not None:
         parameter = getattr(cause, "parameter", None)
@@ -429,9 +442,9 @@ def _client_field(exc: BaseException) -> str:
     return "request"
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     cause = exc.__cause__
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if cause is not None and cause is not exc:
-        text += f" (caused by {_describe(cause)})"
+        text += f" (caused by {describe(cause)})"
     return text

@@ -1,12 +1,13 @@
 """`GenerateStream`: many requests over one stream, one message per engine step.
 
-vLLM hands the outputs of one engine step to every request's `generate()` in one pass
-of the event loop. Each request's task drops its news into the session's pending message
-(a request's consecutive chunks merge into one event); the writer task runs after them
-and sends everything as one `StreamResponse`. While a write is in flight the next
-message fills up, so a slow reader gets fewer, larger messages and never blocks the
-engine. Closing the stream (or losing the client) cancels every request on it, which
-aborts them in the engine.
+vLLM's output handler hands the outputs of one engine step to every request in one pass
+of the event loop. Each request (`relay.StreamedRequest`, called by the handler itself,
+with no task of its own) drops its news into the session's pending message (a request's
+consecutive chunks merge into one event); the writer task runs after them and sends
+everything as one `StreamResponse`. While a write is in flight the next message fills
+up, so a slow reader gets fewer, larger messages and never blocks the engine. Closing
+the stream (or losing the client) cancels every request on it, which aborts them in the
+engine.
 
 Requests are keyed by the attempt id the control plane gives each start. A message's
 cancels are handled before its starts, and a start that the same message cancels is never
@@ -26,7 +27,7 @@ from switchyard.worker.v1 import worker_pb2
 
 from pyworker.errors import AlreadyExists, EngineFailure, InvalidArgument, WorkerError
 from pyworker.generation import Generations
-from pyworker.load import InFlight
+from pyworker.relay import StreamedRequest
 from pyworker.request import deadline_after
 
 log = structlog.get_logger(__name__)
@@ -45,8 +46,11 @@ class Session:
         self._open_chunks: dict[int, Any] = {}  # attempt id -> its chunk in _pending
         self._ready = asyncio.Event()
         self._closing = False
-        self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._cancelled: set[asyncio.Task[None]] = set()
+        # attempt id -> its request, until it is over in the engine and released
+        self._requests: dict[int, StreamedRequest] = {}
+        self._live: set[int] = set()  # attempts whose caller still listens
+        self._ending: set[asyncio.Future[None]] = set()  # cancelled, not released yet
+        self._starts: set[asyncio.Task[None]] = set()
         self._seq = itertools.count(1)
 
     async def run(self, request_iterator: Any) -> None:
@@ -60,25 +64,30 @@ class Session:
                     if request.attempt_id not in cancelled:  # given up before it was sent
                         self._start(request)
             # The caller closed its side: finish what runs, send the rest, then end.
-            while self._tasks:
-                await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            while self._requests:
+                # wait(), not gather(): a cancelled handler must not cancel these futures
+                # (the requests' own), or nothing would abort the requests below.
+                await asyncio.wait([r.done for r in self._requests.values()])
             self._closing = True
             self._ready.set()
             await writer
         finally:
-            tasks = list(self._tasks.values())
-            for task in tasks:
-                task.cancel()
+            for attempt_id in list(self._requests):
+                self._cancel(attempt_id)
             writer.cancel()
-            await asyncio.gather(*tasks, *self._cancelled, writer, return_exceptions=True)
+            await asyncio.gather(*self._starts, writer, return_exceptions=True)
+            if self._ending:  # the aborts of this stream's requests are through
+                await asyncio.wait(list(self._ending))
 
     def _cancel(self, attempt_id: int) -> None:
-        task = self._tasks.pop(attempt_id, None)
-        if task is None:
+        request = self._requests.pop(attempt_id, None)
+        if request is None:
             return  # unknown or over: nothing to do
-        task.cancel()  # its done-callback releases it
-        self._cancelled.add(task)  # awaited before the stream ends
-        task.add_done_callback(self._cancelled.discard)
+        self._live.discard(attempt_id)
+        request.cancel()
+        if not request.done.done():
+            self._ending.add(request.done)  # awaited before the stream ends
+            request.done.add_done_callback(self._ending.discard)
         self._forget(attempt_id)
 
     def _start(self, request: Any) -> None:
@@ -87,7 +96,7 @@ class Session:
         try:
             if attempt_id == 0:
                 raise InvalidArgument.field("attempt_id", "required (nonzero) on GenerateStream")
-            if attempt_id in self._tasks:
+            if attempt_id in self._requests:
                 raise AlreadyExists(f"attempt_id {attempt_id} is already open on this stream")
             # Unique for every start, even one reusing the attempt id of a cancelled
             # attempt whose abort is still on its way to the engine.
@@ -103,19 +112,19 @@ class Session:
             self._error(attempt_id, EngineFailure(f"worker error: {exc!r}"))
             return
         deadline = deadline_after(request.timeout_ms / 1000.0) if request.timeout_ms else None
-        sink = _EventSink(self, attempt_id)
-        task = asyncio.create_task(
-            self._generations.serve(parsed, state, sink, arrived, deadline),
-            name=state.request_id,
+        streamed = StreamedRequest(
+            self._generations, parsed, state, _EventSink(self, attempt_id), arrived, deadline
         )
-        self._tasks[attempt_id] = task
-        task.add_done_callback(lambda t: self._finished(attempt_id, t, state))
+        self._requests[attempt_id] = streamed
+        self._live.add(attempt_id)
+        streamed.done.add_done_callback(lambda _: self._over(attempt_id, streamed))
+        task = asyncio.create_task(streamed.start(), name=state.request_id)
+        self._starts.add(task)
+        task.add_done_callback(self._starts.discard)
 
-    def _finished(self, attempt_id: int, task: asyncio.Task[None], state: InFlight) -> None:
-        if self._tasks.get(attempt_id) is task:
-            del self._tasks[attempt_id]
-        # A task cancelled before it ran never reached serve()'s own clean-up.
-        self._generations.release(state)
+    def _over(self, attempt_id: int, request: StreamedRequest) -> None:
+        if self._requests.get(attempt_id) is request:
+            del self._requests[attempt_id]
 
     def _forget(self, attempt_id: int) -> None:
         """Drop what is queued for a cancelled attempt: its caller listens no more. A live
@@ -129,33 +138,36 @@ class Session:
         self._open_chunks = {
             e.attempt_id: e.chunk
             for e in events
-            if e.HasField("chunk") and e.attempt_id in self._tasks
+            if e.HasField("chunk") and e.attempt_id in self._live
         }
 
     # ---- the pending message ---------------------------------------------------------
 
-    def _live(self, attempt_id: int) -> bool:
-        return attempt_id in self._tasks
-
-    def _chunk(self, attempt_id: int, chunk: Any) -> None:
-        if not self._live(attempt_id):
+    def _chunk(self, attempt_id: int, token_ids: list[int], logprobs: list[Any] | None) -> None:
+        if attempt_id not in self._live:
             return
-        open_chunk = self._open_chunks.get(attempt_id)
-        if open_chunk is not None:
-            open_chunk.MergeFrom(chunk)  # repeated fields append
-        else:
-            event = self._pending.events.add(attempt_id=attempt_id, chunk=chunk)
-            self._open_chunks[attempt_id] = event.chunk
+        chunk = self._open_chunks.get(attempt_id)
+        if chunk is None:
+            event = self._pending.events.add()
+            event.attempt_id = attempt_id
+            chunk = event.chunk
+            self._open_chunks[attempt_id] = chunk
+        chunk.token_ids.extend(token_ids)  # a request's consecutive chunks merge
+        if logprobs:
+            chunk.logprobs.extend(logprobs)
         self._ready.set()
 
     def _final(self, attempt_id: int, final: Any) -> None:
-        if not self._live(attempt_id):
+        if attempt_id not in self._live:
             return
+        self._live.discard(attempt_id)
         self._pending.events.add(attempt_id=attempt_id, final=final)
         self._open_chunks.pop(attempt_id, None)
         self._ready.set()
 
     def _error(self, attempt_id: int, exc: WorkerError) -> None:
+        """An error event: the attempt's own (the sink ends it), or a start refused (which
+        leaves an open attempt with the same id alone)."""
         error = worker_pb2.StreamError(
             code=exc.code.value[0],
             message=exc.message,
@@ -165,7 +177,8 @@ class Session:
             ],
         )
         self._pending.events.add(attempt_id=attempt_id, error=error)
-        self._open_chunks.pop(attempt_id, None)
+        if attempt_id not in self._live:
+            self._open_chunks.pop(attempt_id, None)
         self._ready.set()
 
     async def _write_loop(self) -> None:
@@ -193,23 +206,21 @@ class Session:
 class _EventSink:
     """One attempt's messages, as events of its session (queued, never waiting)."""
 
-    blocking = False
+    __slots__ = ("_attempt_id", "_session")
 
     def __init__(self, session: Session, attempt_id: int) -> None:
         self._session = session
         self._attempt_id = attempt_id
 
-    async def chunk(self, chunk: Any) -> None:
-        self._session._chunk(self._attempt_id, chunk)
+    def chunk(self, token_ids: list[int], logprobs: list[Any] | None) -> None:
+        self._session._chunk(self._attempt_id, token_ids, logprobs)
 
-    async def final(self, final: Any) -> None:
+    def final(self, final: Any) -> None:
         self._session._final(self._attempt_id, final)
 
-    async def time_limit(self, final: Any) -> None:
-        self._session._final(self._attempt_id, final)
-
-    async def error(self, exc: WorkerError) -> None:
-        if self._session._live(self._attempt_id):
+    def error(self, exc: WorkerError) -> None:
+        if self._attempt_id in self._session._live:
+            self._session._live.discard(self._attempt_id)
             self._session._error(self._attempt_id, exc)
 
 

@@ -129,9 +129,7 @@ async def test_kill_9_mid_stream_resumes_and_the_worker_rejoins(
         victim = first.final.worker
         pid = worker_pid(victim)
         started = asyncio.Event()
-        streams = [
-            asyncio.create_task(_stream(stub, 300, f"s{i}", started)) for i in range(20)
-        ]
+        streams = [asyncio.create_task(_stream(stub, 300, f"s{i}", started)) for i in range(20)]
         async with asyncio.timeout(30):  # kill mid-stream: once tokens flow
             await started.wait()
         killed_at = time.monotonic()

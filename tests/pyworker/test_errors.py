@@ -8,7 +8,7 @@ import pytest
 from vllm import exceptions as vllm_errors
 
 from pyworker.errors import InvalidArgument, Overloaded
-from pyworker.generation import _classify, _client_field
+from pyworker.generation import classify, client_field
 
 
 def chained(outer: BaseException, cause: BaseException) -> BaseException:
@@ -17,8 +17,8 @@ def chained(outer: BaseException, cause: BaseException) -> BaseException:
 
 
 def test_a_bare_value_error_in_the_engine_is_an_engine_fault() -> None:
-    assert _classify(ValueError("shape mismatch in a kernel")) is None
-    assert _classify(chained(RuntimeError("step failed"), ValueError("bad shape"))) is None
+    assert classify(ValueError("shape mismatch in a kernel")) is None
+    assert classify(chained(RuntimeError("step failed"), ValueError("bad shape"))) is None
 
 
 def test_vllm_client_errors_blame_the_field_vllm_names() -> None:
@@ -26,12 +26,12 @@ def test_vllm_client_errors_blame_the_field_vllm_names() -> None:
         RuntimeError("engine said no"),
         vllm_errors.VLLMValidationError("too many", parameter="logprobs", value=99),
     )
-    assert _classify(err) is InvalidArgument
-    assert _client_field(err) == "logprobs"
+    assert classify(err) is InvalidArgument
+    assert client_field(err) == "logprobs"
 
 
 @pytest.mark.parametrize("name", ["QueueOverflowError", "MaxQueuedTokensError"])
 def test_a_full_engine_is_resource_exhausted(name: str) -> None:
     err = getattr(vllm_errors, name)()
-    assert _classify(err) is Overloaded
+    assert classify(err) is Overloaded
     assert Overloaded("full").code.name == "RESOURCE_EXHAUSTED"

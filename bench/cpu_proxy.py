@@ -1,0 +1,176 @@
+"""CPU time per token of the control plane, with C++ simulator workers in place of GPUs.
+
+The H200 figures of docs/benchmarks.md need a GPU; what they depend on in Switchyard's
+own code is the CPU each process spends per streamed token. This drives the control
+plane from C++ simulator workers at a GPU's token rate and stream count (by default
+1000 streams at 30,000 tokens/s, as a 1B model gives on an H200), and reports, for
+every process, CPU milliseconds per 1000 tokens, side by side in one run:
+
+    python -m bench.cpu_proxy                         # worker direct, control plane x1, x2
+    python -m bench.cpu_proxy --streams 200 --rate 6000 --routers 1 2 4
+
+A change that adds per-token work shows as a larger figure for the control plane. The
+token rate a small machine reaches is printed too: when the control plane cannot keep
+up, tokens coalesce into fewer messages (tokens/message goes above 1), which lowers the
+cost per token, so compare runs at the same achieved rate. This is a benchmark, not a
+test: it prints figures and asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import systems
+from bench.loadgen import Workload
+from bench.procload import processes_for, spread_load
+from switchyard_common.tinymodel import ensure_tiny_model
+
+
+def _cpu(pids: list[int]) -> float:
+    return systems.cpu_seconds(pids)
+
+
+def measure(
+    label: str,
+    target: str,
+    address: str,
+    model: str,
+    work: Workload,
+    args: argparse.Namespace,
+    groups: dict[str, list[int]],
+) -> dict[str, Any]:
+    before = {name: _cpu(pids) for name, pids in groups.items()}
+    started = time.monotonic()
+    run = spread_load(
+        target,
+        address,
+        model,
+        work,
+        args.streams,
+        processes=args.clients or processes_for(args.rate, args.streams),
+        connections=args.connections,
+    )
+    wall = time.monotonic() - started
+    tokens = max(1, run["tokens"])
+    cpu = {name: _cpu(pids) - before[name] for name, pids in groups.items()}
+    return {
+        "system": label,
+        "tokens_per_s": round(run["tokens_per_s"]),
+        "tokens_per_message": round(tokens / max(1, run["messages"]), 2),
+        "errors": run["errors"],
+        "first_errors": run["first_errors"],
+        "ttft_p50_ms": round(run["ttft_ms"].get("p50", 0.0), 1),
+        "cpu_ms_per_1k_tokens": {k: round(v * 1e6 / tokens, 1) for k, v in cpu.items()},
+        "cores_busy": {k: round(v / wall, 2) for k, v in cpu.items()},
+        "client_processes": run["client_processes"],
+        "client_busy": run["client_busy"],
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    ensure_tiny_model()
+    step_us = max(1, round(args.streams / args.workers / (args.rate / args.workers) * 1e6))
+    work = Workload(
+        requests=args.streams * args.rounds,
+        prompt_len=(args.prompt, args.prompt),
+        output_len=(args.output, args.output),
+        vocab=(4, 500),
+    )
+    results: list[dict[str, Any]] = []
+    log_dir = Path(tempfile.mkdtemp(prefix="switchyard-cpu-proxy-"))
+    with systems.sim_worker_procs(args.workers, log_dir, step_us=step_us) as procs:
+        sims = [p.address for p in procs]
+        sim_pids = [p.popen.pid for p in procs]
+        if args.workers == 1:
+            results.append(
+                measure(
+                    "worker (GenerateStream)",
+                    "worker-stream",
+                    sims[0],
+                    "",
+                    work,
+                    args,
+                    {"workers": sim_pids},
+                )
+            )
+        model_yaml = (
+            "  - name: sim\n    engine: sim\n    model: builtin:tiny\n"
+            f"    workers: [{', '.join(sims)}]\n"
+            "    limits: {max_concurrency: 100000, max_queue: 100000}\n"
+        )
+        for routers in args.routers:
+            name = f"control-x{routers}"
+            with systems.control_plane(model_yaml, log_dir, name, routers) as (cp, proc):
+                pids = [proc.popen.pid, *systems.descendants(proc.popen.pid)]
+                results.append(
+                    measure(
+                        f"control plane, {routers} process{'es' if routers > 1 else ''}",
+                        "switchyard",
+                        cp,
+                        "sim",
+                        work,
+                        args,
+                        {"control plane": pids, "workers": sim_pids},
+                    )
+                )
+    return {
+        "command": "python -m bench.cpu_proxy " + " ".join(args.argv),
+        "streams": args.streams,
+        "target_tokens_per_s": args.rate,
+        "sim_step_us": step_us,
+        "prompt": args.prompt,
+        "output": args.output,
+        "cpus": os.cpu_count(),
+        "results": results,
+    }
+
+
+def print_table(data: dict[str, Any]) -> None:
+    print(
+        f"{data['streams']} streams, target {data['target_tokens_per_s']:,.0f} tokens/s "
+        f"(simulator step {data['sim_step_us']} us), {data['prompt']} prompt / "
+        f"{data['output']} output tokens, {data['cpus']} CPUs"
+    )
+    head = "system", "tokens/s", "tok/msg", "CP ms/1k tok", "CP cores", "worker ms/1k", "clients"
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in data["results"]:
+        cpu, cores = r["cpu_ms_per_1k_tokens"], r["cores_busy"]
+        print(
+            f"| {r['system']} | {r['tokens_per_s']:,} | {r['tokens_per_message']} | "
+            f"{cpu.get('control plane', '-')} | {cores.get('control plane', '-')} | "
+            f"{cpu['workers']} | {r['client_processes']} (busy {max(r['client_busy'])}) |"
+        )
+        if r["errors"]:
+            print(f"  errors: {r['errors']}: {r['first_errors']}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--streams", type=int, default=1000, help="concurrent streams")
+    p.add_argument("--rate", type=float, default=30000.0, help="tokens/s the workers make")
+    p.add_argument("--workers", type=int, default=1, help="simulator workers")
+    p.add_argument("--routers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--output", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=2, help="requests per stream")
+    p.add_argument("--clients", type=int, default=0, help="client processes (default: auto)")
+    p.add_argument("--connections", type=int, default=8, help="channels per client process")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args(argv)
+    args.argv = argv if argv is not None else sys.argv[1:]
+    data = run(args)
+    print_table(data)
+    if args.json:
+        args.json.write_text(json.dumps(data, indent=1))
+
+
+if __name__ == "__main__":
+    main()
