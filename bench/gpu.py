@@ -30,7 +30,8 @@ from typing import Any
 import structlog
 
 from bench import systems
-from bench.loadgen import Workload, closed_loop, make_target
+from bench.loadgen import Workload, make_target
+from bench.procload import spread_load
 from switchyard_common.logs import configure_logging
 
 log = structlog.get_logger(__name__)
@@ -47,13 +48,15 @@ SETTINGS: dict[str, Any] = {
 LOADS = (100, 1000)  # concurrent requests; each run sends that many
 PROMPT, OUTPUT = 128, 256
 CLIENT_PROCS = 4
+CONNECTIONS = 8  # channels per client process
 TTFT_PAIRS = 60
 
 
-def make_model(path: Path) -> Path:
-    """A Llama-3.1-8B-shaped config.json (vLLM's load_format dummy makes random weights)
-    and a word-level tokenizer of the same vocabulary (id N is the word tN), so that
-    every server can detokenize and every id round-trips. Seconds, no downloads."""
+def make_model(path: Path, shape: str = "8b") -> Path:
+    """A Llama-3.1-8B-shaped (or, with shape "1b", Llama-3.2-1B-shaped) config.json (vLLM's
+    load_format dummy makes random weights) and a word-level tokenizer of the same
+    vocabulary (id N is the word tN), so that every server can detokenize and every id
+    round-trips. Seconds, no downloads."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab, bos, eos = 128256, 128000, 128001
@@ -66,6 +69,11 @@ def make_model(path: Path) -> Path:
         "torch_dtype": "bfloat16", "tie_word_embeddings": False, "bos_token_id": bos,
         "eos_token_id": eos, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
     }  # fmt: skip
+    if shape == "1b":
+        config.update(
+            hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
+            tie_word_embeddings=True,
+        )  # fmt: skip
     (path / "config.json").write_text(json.dumps(config))
     words = {f"t{i}": i for i in range(vocab) if i not in (bos, eos)}
     words.update({"<|begin_of_text|>": bos, "<|end_of_text|>": eos})
@@ -106,77 +114,21 @@ def workload(requests: int, seed: int = 0) -> Workload:
 # ---- load from several processes -------------------------------------------------------
 
 
-def _client(args: argparse.Namespace) -> None:
-    """One client process: its share of a closed-loop run, raw figures as JSON on stdout."""
-
-    async def go() -> dict[str, Any]:
-        target = make_target(args.target, args.address, args.model)
-        work = workload(args.requests, seed=args.seed)
-        await asyncio.sleep(max(0.0, args.start_at - time.time()))  # all start together
-        started = time.time()
-        try:
-            records = await closed_loop(target, work, args.concurrency)
-        finally:
-            await target.close()
-        ok = [r for r in records if r.error is None]
-        return {
-            "wall_start": started,
-            "wall_end": started
-            + max((r.end or r.start) for r in records)
-            - min(r.start for r in records),
-            "tokens": sum(r.tokens for r in ok),
-            "errors": [r.error for r in records if r.error is not None][:3],
-            "error_count": len(records) - len(ok),
-            "ttft_ms": [r.ttft * 1000 for r in ok if r.ttft is not None],
-            "itl_ms": [
-                (b - a) * 1000
-                for r in ok
-                for a, b in zip(r.token_times, r.token_times[1:], strict=False)
-            ][::7],  # a sample keeps the output small
-        }
-
-    print(json.dumps(asyncio.run(go())), flush=True)
-
-
-def run_load(target: str, address: str, model: str, requests: int, seed: int = 0) -> dict[str, Any]:
-    """`requests` concurrent requests (all at once, closed loop) from CLIENT_PROCS processes."""
-    procs = min(CLIENT_PROCS, requests)
-    start_at = time.time() + 5.0  # time for every client to import
-
-    def argv(i: int) -> list[str]:
-        return [
-            sys.executable, "-m", "bench.gpu", "--client", "--target", target,
-            "--address", address, "--model", model,
-            "--requests", str(requests // procs), "--concurrency", str(requests // procs),
-            "--seed", str(seed * 100 + i), "--start-at", str(start_at),
-        ]  # fmt: skip
-
-    children = [subprocess.Popen(argv(i), stdout=subprocess.PIPE, text=True) for i in range(procs)]
-    try:
-        parts = [
-            json.loads(c.communicate(timeout=600)[0].strip().splitlines()[-1]) for c in children
-        ]
-    finally:
-        for c in children:  # one that failed leaves none of the others behind
-            if c.poll() is None:
-                c.kill()
-                c.wait()
-    begin = min(p["wall_start"] for p in parts)
-    end = max(p["wall_end"] for p in parts)
-    ttft = sorted(x for p in parts for x in p["ttft_ms"])
-    itl = sorted(x for p in parts for x in p["itl_ms"])
-    tokens = sum(p["tokens"] for p in parts)
-    return {
-        "system": target,
-        "requests": requests,
-        "tokens": tokens,
-        "seconds": end - begin,
-        "tokens_per_s": tokens / (end - begin),
-        "errors": sum(p["error_count"] for p in parts),
-        "first_errors": [e for p in parts for e in p["errors"]][:3],
-        "ttft_ms": _pcts(ttft),
-        "itl_ms": _pcts(itl),
-    }
+def run_load(
+    target: str, address: str, model: str, requests: int, seed: int = 0, processes: int = 0
+) -> dict[str, Any]:
+    """`requests` concurrent requests (all at once, closed loop) from several processes
+    (CLIENT_PROCS, or `processes`), each over CONNECTIONS channels so that router
+    processes sharing a port all get traffic."""
+    return spread_load(
+        target,
+        address,
+        model,
+        workload(requests, seed),
+        requests,
+        processes=processes or CLIENT_PROCS,
+        connections=CONNECTIONS,
+    )
 
 
 def _pcts(values: list[float]) -> dict[str, float]:
@@ -193,15 +145,19 @@ def _pcts(values: list[float]) -> dict[str, float]:
 # ---- the systems ----------------------------------------------------------------------
 
 
-def asyncllm_inprocess(model: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
+def asyncllm_inprocess(
+    model: Path, settings: dict[str, Any], loads: tuple[int, ...] = ()
+) -> list[dict[str, Any]]:
     """vLLM's AsyncLLM in this process, DELTA streaming: the ceiling for any front."""
     argv = [sys.executable, "-m", "bench.gpu", "--asyncllm", json.dumps(settings)]
-    argv += ["--model-dir", str(model)]
+    argv += ["--model-dir", str(model), "--loads", ",".join(map(str, loads or LOADS))]
     out = subprocess.run(argv, stdout=subprocess.PIPE, text=True, timeout=900, check=True)
     return [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
 
 
-def _asyncllm_main(model: str, settings: dict[str, Any]) -> None:
+def _asyncllm_main(
+    model: str, settings: dict[str, Any], loads: tuple[int, ...], go: bool = False, reps: int = 2
+) -> None:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.sampling_params import RequestOutputKind
@@ -244,8 +200,11 @@ def _asyncllm_main(model: str, settings: dict[str, Any]) -> None:
 
     async def main() -> None:
         await run(32, seed=99)  # warm-up
-        for load in LOADS:
-            for _ in range(2):
+        if go:  # started beside another engine: run when told, so the two never overlap
+            print("READY", flush=True)
+            await asyncio.to_thread(sys.stdin.readline)
+        for load in loads:
+            for _ in range(reps):
                 print("RESULT " + json.dumps(await run(load, seed=1)), flush=True)
 
     asyncio.run(main())
@@ -399,24 +358,25 @@ def environment() -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--phase", choices=("fronts", "peers", "quant"))
+    p.add_argument("--phase", choices=("fronts", "peers", "quant", "fast", "fast2"))
     p.add_argument("--out", type=Path)
     p.add_argument("--model-dir", type=Path, help="default: an 8B shape made in /tmp/llama-8b")
     p.add_argument("--smoke", action="store_true", help="a CPU check of the code paths")
     p.add_argument("--report", nargs="*", type=Path, help="result folders to write docs from")
-    p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--asyncllm", help=argparse.SUPPRESS)
+    p.add_argument("--loads", default="", help=argparse.SUPPRESS)
+    p.add_argument("--go", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--reps", type=int, default=0, help=argparse.SUPPRESS)
     for flag in ("--target", "--address", "--model"):
         p.add_argument(flag, help=argparse.SUPPRESS)
     for flag in ("--requests", "--concurrency", "--seed"):
         p.add_argument(flag, type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.client:
-        _client(args)
-        return
     if args.asyncllm:
-        _asyncllm_main(str(args.model_dir), json.loads(args.asyncllm))
+        loads = tuple(int(x) for x in args.loads.split(","))
+        settings = json.loads(args.asyncllm)
+        _asyncllm_main(str(args.model_dir), settings, loads, args.go, args.reps or 2)
         return
     if args.report is not None:
         from bench.gpu_report import write_report
@@ -427,7 +387,13 @@ def main() -> None:
     if args.smoke:
         smoke()
     args.out.mkdir(parents=True, exist_ok=True)
-    model = args.model_dir or make_model(Path("/tmp/llama-8b"))
+    fast = args.phase in ("fast", "fast2")
+    if args.model_dir:
+        model = args.model_dir
+    elif fast:
+        model = make_model(Path("/tmp/llama-1b"), "1b")
+    else:
+        model = make_model(Path("/tmp/llama-8b"))
     result: dict[str, Any] = {"phase": args.phase, "environment": environment(), "systems": []}
     path = args.out / f"{args.phase}.json"
 
@@ -435,7 +401,13 @@ def main() -> None:
         path.write_text(json.dumps(result, indent=1))
 
     steps: list[tuple[str, Any]]
-    if args.phase == "fronts":
+    if fast:
+        from bench.gpu_fast import FAST_SETTINGS
+        from bench.gpu_fast import steps as fast_steps
+
+        result["environment"]["settings"] = FAST_SETTINGS
+        steps = list(fast_steps(args.phase, model, args.out))
+    elif args.phase == "fronts":
         steps = [
             (
                 "asyncllm",

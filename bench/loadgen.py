@@ -476,8 +476,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--output-len", default="128", help="N or LOW-HIGH")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--connections", type=int, default=1)
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="client processes for a closed loop (0: enough for --expect-tokens-per-s)",
+    )
+    p.add_argument("--expect-tokens-per-s", type=float, default=0.0)
     p.add_argument("--json", help="write the summaries here")
     args = p.parse_args(argv)
+    if args.processes != 1 and args.concurrency and not args.rate:
+        _spread(args)
+        return
     summaries = asyncio.run(_main(args))
     for s in summaries:
         print(
@@ -490,6 +500,38 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([s.to_json() for s in summaries], f, indent=1)
+
+
+def _spread(args: Any) -> None:
+    """A closed loop from several processes (bench.procload): one Python client tops out
+    at some thousands of streamed tokens per second."""
+    from bench.procload import processes_for, spread_load
+
+    results = []
+    for c in args.concurrency:
+        procs = args.processes or processes_for(args.expect_tokens_per_s, c)
+        work = Workload(
+            requests=args.requests,
+            prompt_len=_range(args.prompt_len),
+            output_len=_range(args.output_len),
+            seed=args.seed,
+        )
+        r = spread_load(
+            args.target, args.address, args.model, work, c,
+            processes=procs, connections=args.connections,
+        )  # fmt: skip
+        busiest = max(r["client_busy"])
+        print(
+            f"closed {c}: {r['tokens_per_s']:,.0f} tok/s, TTFT p50/p99 "
+            f"{r['ttft_ms'].get('p50', 0):.1f}/{r['ttft_ms'].get('p99', 0):.1f} ms, "
+            f"errors {r['errors']}; {r['client_processes']} client processes, the busiest "
+            f"at {busiest:.2f} cores" + (" (the client was the limit: add processes)"
+            if busiest > 0.9 else "")
+        )  # fmt: skip
+        results.append(r)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -76,12 +76,19 @@ class Proc:
 
 
 def start(
-    name: str, argv: list[str], log_dir: Path, address: str = "", log_level: str = "warning"
+    name: str,
+    argv: list[str],
+    log_dir: Path,
+    address: str = "",
+    log_level: str = "warning",
+    cwd: Path | None = None,
 ) -> Proc:
+    """Start a process with its output in log_dir/NAME.log; `cwd` is where `python -m`
+    finds its packages (another checkout, for a before-and-after comparison)."""
     log_path = log_dir / f"{name}.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", SWITCHYARD_LOG_LEVEL=log_level)
     with open(log_path, "wb") as out:
-        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     log.debug("started", system=name, pid=popen.pid)
     return Proc(name, popen, log_path, address)
 
@@ -164,15 +171,19 @@ def rss_mb(proc: Proc) -> float:
 
 @contextlib.contextmanager
 def control_plane(
-    model_yaml: str, log_dir: Path, name: str = "control", routers: int = 1
+    model_yaml: str,
+    log_dir: Path,
+    name: str = "control",
+    routers: int = 1,
+    cwd: Path | None = None,
 ) -> Iterator[tuple[str, Proc]]:
     """Switchyard's control plane with the given models (YAML list items), in `routers`
-    processes on one port."""
+    processes on one port (from the checkout in `cwd`, if given)."""
     port = free_port()
     config = log_dir / f"{name}.yaml"
     config.write_text(f"listen: 127.0.0.1:{port}\nmodels:\n{model_yaml}")
-    argv = [sys.executable, "-m", "control", "serve", "--config", str(config)]
-    proc = start(name, [*argv, "--routers", str(routers)], log_dir)
+    argv = [sys.executable, "-m", "control", "serve", "--config", str(config.resolve())]
+    proc = start(name, [*argv, "--routers", str(routers)], log_dir, cwd=cwd)
     try:
         wait_grpc_serving(proc, f"127.0.0.1:{port}", "")
         yield f"127.0.0.1:{port}", proc

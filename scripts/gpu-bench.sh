@@ -4,7 +4,10 @@
 # into .gpu/) travels in parts, one device call each, to /tmp/parts; the Python stubs
 # travel with the call (carry build/cp311-cp311-linux_x86_64/python).
 #   scripts/gpu-bench.sh copy .gpu/pN            # one call per part
-#   scripts/gpu-bench.sh run PHASE [PHASE...]    # fronts | peers | quant; results in $OUT
+#   scripts/gpu-bench.sh run PHASE [PHASE...]    # fronts | peers | quant | fast | fast2
+# Results in $OUT. Optional, carried with the last call: .gpu/tools/py-spy (a static binary,
+# for the profiles of the fast phases) and .gpu/before (the previous commit's control,
+# pyworker and switchyard_common, for the before-and-after runs).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -23,10 +26,15 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     python3 -c 'import vllm, grpc, torch; print("vllm", vllm.__version__, "grpc", grpc.__version__, "torch", torch.__version__, torch.cuda.device_count(), "GPU")'
     out=${OUT:-/tmp/gpu-results}; mkdir -p "$out"
+    [ -x "$root/.gpu/tools/py-spy" ] && export SWITCHYARD_PY_SPY="$root/.gpu/tools/py-spy"
+    [ -d "$root/.gpu/before/control" ] && export SWITCHYARD_BEFORE="$root/.gpu/before"
     for phase in "$@"; do
       echo "[gpu-bench] phase $phase" >&2
       python3 -m bench.gpu --phase "$phase" --out "$out" 2>&1 | tee "$out/$phase.log" \
         | grep -v -E "^\(|WARNING|it/s\]" || true
+      for f in "$out"/profile-*.txt; do
+        [ -f "$f" ] && python3 -m bench.profile_summary "$f" >> "$out/profiles-$phase.md" || true
+      done
       # Keep what comes back small: the logs of each system, compressed.
       tar -C "$out" -czf "$out/$phase-logs.tgz" $(cd "$out" && ls -d logs-* 2>/dev/null) "$phase.log" 2>/dev/null || true
       rm -rf "$out"/logs-* "$out/$phase.log"

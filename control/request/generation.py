@@ -280,13 +280,18 @@ class _Run:
                     self.generated.extend(ids)
                     if self.first_token_at is None:
                         self.first_token_at = time.perf_counter()
-                    text = self._match(self.detok.push(ids))
-                    if self.final.stop_string:
-                        ids = self._cut_at_stop(ids)
-                    chunk = generation_pb2.Chunk(text=text, token_ids=ids)
+                    text = self.detok.push(ids)
+                    if self.matcher is not None:
+                        text = self._match(text)
+                        if self.final.stop_string:
+                            ids = self._cut_at_stop(ids)
+                    out = generation_pb2.GenerateResponse()
+                    chunk = out.chunk  # built in place: no copy of a finished Chunk
+                    chunk.text = text
+                    chunk.token_ids.extend(ids)
                     if want_logprobs:
                         self._copy_logprobs(chunk, wchunk.logprobs[: len(ids)])
-                    yield generation_pb2.GenerateResponse(chunk=chunk)
+                    yield out
                     if self.final.stop_string:
                         call.cancel()  # the worker aborts the engine request
                         yield generation_pb2.GenerateResponse(final=self.final)

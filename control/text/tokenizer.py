@@ -46,7 +46,9 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         if self._fast is not None:
-            text: str = self._fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
+            if not isinstance(ids, list):
+                ids = list(ids)
+            text: str = self._fast.decode(ids, skip_special_tokens=skip_special_tokens)
             return text
         out: str = self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return out

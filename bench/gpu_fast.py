@@ -1,0 +1,347 @@
+"""A fast engine on the H200: a Llama-3.2-1B shape, where the fronts, not the GPU, set
+the pace (issue 11). Run by `bench.gpu --phase fast|fast2` (scripts/gpu-bench.sh).
+
+    fast:  AsyncLLM in-process; `switchyard serve` with its vLLM worker: the worker called
+           directly (GenerateStream), the control plane in one process, and router-only
+           control planes (2 and 4 processes) and the previous commit's control plane in
+           front of the same worker; py-spy profiles of the worker and the control plane
+    fast2: the previous commit's worker; two workers on one GPU behind one control plane;
+           vLLM's gRPC and OpenAI servers
+
+Every system gets FAST_SETTINGS; 1000 concurrent requests of 128 prompt and 256 output
+tokens (ignore_eos), load from CLIENTS processes over CONNECTIONS channels each. The
+previous commit's code is a checkout in $SWITCHYARD_BEFORE (skipped if unset).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from bench import systems
+from bench.gpu import (
+    SETTINGS,
+    SMOKE_ENV,
+    list_workers,
+    run_load,
+    served_model,
+)
+from control.fleet.supervisor import free_port
+
+log = structlog.get_logger(__name__)
+
+FAST_SETTINGS: dict[str, Any] = {**SETTINGS, "max_num_seqs": 1024}
+LOAD = 1000
+CLIENTS = 6
+PROFILE_S = 10
+if os.environ.get(SMOKE_ENV):  # a CPU check of the code paths (bench.gpu --smoke)
+    FAST_SETTINGS = {**SETTINGS, "max_num_seqs": 64}
+    LOAD, CLIENTS, PROFILE_S = 16, 2, 2
+
+
+def _model_yaml(name: str, model: Path, settings: dict[str, Any], replicas: int = 1) -> str:
+    text = served_model(name, model, settings)
+    return text + (f"    replicas: {replicas}\n" if replicas > 1 else "")
+
+
+def _remote(name: str, model: Path, workers: list[str]) -> str:
+    return (
+        f"  - name: {name}\n    engine: vllm\n    model: {model}\n"
+        f"    workers: [{', '.join(workers)}]\n"
+        "    limits: {max_concurrency: 4096, max_queue: 4096}\n"
+    )
+
+
+def _pids_named(root: int, needle: str) -> list[int]:
+    out = []
+    for pid in systems.descendants(root):
+        with contextlib.suppress(OSError):
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if needle in cmd:
+                out.append(pid)
+    return out
+
+
+def _cores(pids: list[int]) -> Callable[[], float]:
+    """CPU seconds of `pids` since this call, as a function to call at the end."""
+    start = systems.cpu_seconds(pids)
+    return lambda: systems.cpu_seconds(pids) - start
+
+
+@contextlib.contextmanager
+def profiled(out: Path, targets: dict[str, int], delay_s: float = 6.0) -> Iterator[None]:
+    """py-spy (SWITCHYARD_PY_SPY) on each process for PROFILE_S seconds, `delay_s` into
+    the run: collapsed stacks in OUT/profile-NAME.txt."""
+    spy = os.environ.get("SWITCHYARD_PY_SPY") or shutil.which("py-spy")
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def go() -> None:
+        time.sleep(delay_s)
+        for name, pid in targets.items():
+            argv = [
+                str(spy), "record", "--nonblocking", "-p", str(pid), "-d", str(PROFILE_S),
+                "-r", "100", "--format", "raw", "-o", str(out / f"profile-{name}.txt"),
+            ]  # fmt: skip
+            quiet = subprocess.DEVNULL
+            procs.append(subprocess.Popen(argv, stdout=quiet, stderr=quiet))
+
+    thread = threading.Thread(target=go, daemon=True)
+    if spy:
+        thread.start()
+    try:
+        yield
+    finally:
+        if spy:
+            thread.join()
+            for p in procs:
+                try:
+                    p.wait(PROFILE_S + 30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+def _run(
+    result: dict[str, Any],
+    label: str,
+    target: str,
+    address: str,
+    cpu: dict[str, list[int]],
+    requests: int = LOAD,
+    out: Path | None = None,
+) -> dict[str, Any]:
+    meters = {name: _cores(pids) for name, pids in cpu.items()}
+    started = time.monotonic()
+    run = run_load(target, address, "m", requests, seed=1, processes=CLIENTS)
+    wall = time.monotonic() - started
+    run["label"] = label
+    run["cores_busy"] = {name: round(m() / wall, 2) for name, m in meters.items()}
+    log.info(
+        "run",
+        system=label,
+        tokens_per_s=round(run["tokens_per_s"]),
+        errors=run["errors"],
+        cores=run["cores_busy"],
+        clients_busy=run["client_busy"],
+    )
+    result["runs"].append(run)
+    if out is not None:
+        _save(out, result)
+    return run
+
+
+class _AsyncLLMBeside:
+    """vLLM's AsyncLLM in its own process, started beside `switchyard serve` (both
+    engines load at once: one start's wait), run only when told, so the two never
+    share the GPU's time."""
+
+    def __init__(self, model: Path, settings: dict[str, Any]) -> None:
+        argv = [
+            sys.executable, "-m", "bench.gpu", "--asyncllm", json.dumps(settings),
+            "--model-dir", str(model), "--loads", str(LOAD), "--go",
+            "--reps", "1",
+        ]  # fmt: skip
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("READY"):
+                self.ready.set()
+        self.ready.set()  # it ended (or failed): nobody waits for nothing
+
+    def run(self, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+        self.ready.wait(timeout_s)
+        assert self.proc.stdin is not None
+        with contextlib.suppress(OSError):  # it may have failed already
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._reader.join(10)
+        return [json.loads(x[7:]) for x in self.lines if x.startswith("RESULT ")]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def fronts(model: Path, out: Path, before: Path | None) -> dict[str, Any]:
+    """AsyncLLM in-process, then, on one worker started by `switchyard serve`: the worker
+    called directly, the control plane in one process (profiled, with the worker), in
+    four router processes, and the previous commit's control plane. Every engine gets
+    0.42 of the GPU's memory (two share it); the KV cache still holds every request."""
+    settings = {**FAST_SETTINGS, "gpu_memory_utilization": 0.42}
+    result: dict[str, Any] = {"label": "fast-fronts", "settings": settings, "runs": []}
+    logs = out / "logs-fast"
+    logs.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    beside = _AsyncLLMBeside(model, settings)
+    try:
+        with systems.control_plane(_model_yaml("m", model, settings), logs) as (cp, proc):
+            result["start_s"] = time.monotonic() - started
+            workers = list_workers(cp)
+            result["workers_at_start"] = workers
+            worker = workers[0]["address"]
+            asyncllm = beside.run()
+            result["asyncllm"] = asyncllm
+            for r in asyncllm:
+                r["label"] = "AsyncLLM in-process"
+                result["runs"].append(r)
+                log.info("run", system="asyncllm", tokens_per_s=round(r["tokens_per_s"]))
+            _save(out, result)
+            worker_pids = _pids_named(proc.popen.pid, "pyworker")
+            engine = [p for w in worker_pids for p in systems.descendants(w)]
+            cpu = {"control": [proc.popen.pid], "worker": worker_pids, "engine": engine}
+            run_load("switchyard", cp, "m", 64, seed=99, processes=2)  # warm-up
+            with profiled(out, {"worker-direct": worker_pids[0]}):
+                _run(result, "worker (GenerateStream)", "worker-stream", worker, cpu, out=out)
+            with profiled(out, {"control": proc.popen.pid, "worker": worker_pids[0]}):
+                _run(result, "control plane x1", "switchyard", cp, cpu, out=out)
+            remote = _remote("m", model, [worker])
+            with systems.control_plane(remote, logs, "routers-4", 4) as (rcp, rproc):
+                rpids = [rproc.popen.pid, *systems.descendants(rproc.popen.pid)]
+                rcpu = {"control": rpids, "worker": worker_pids, "engine": engine}
+                run = _run(result, "control plane x4", "switchyard", rcp, rcpu, out=out)
+                run["per_router_cpu_s"] = _per_process_cores(rpids)
+            if before is not None:
+                with systems.control_plane(remote, logs, "before", 1, cwd=before) as (bcp, bp):
+                    bcpu = {"control": [bp.popen.pid], "worker": worker_pids, "engine": engine}
+                    with profiled(out, {"control-before": bp.popen.pid}):
+                        _run(result, "control plane x1, before", "switchyard", bcp, bcpu, out=out)
+            # Second passes, while the time lasts (a run that is cut off leaves the rest).
+            _run(result, "worker (GenerateStream)", "worker-stream", worker, cpu, out=out)
+            _run(result, "control plane x1", "switchyard", cp, cpu, out=out)
+            result["workers_under_load"] = list_workers(cp)
+    finally:
+        beside.stop()
+    return result
+
+
+def _save(out: Path, result: dict[str, Any]) -> None:
+    (out / f"{result['label']}.json").write_text(json.dumps(result, indent=1))
+
+
+def _per_process_cores(pids: list[int], seconds: float = 0.0) -> dict[str, float]:
+    """CPU seconds each process has used so far (how the load spread over routers)."""
+    return {str(pid): round(systems.cpu_seconds([pid]), 1) for pid in pids}
+
+
+def before_worker(model: Path, out: Path, before: Path) -> dict[str, Any]:
+    """The previous commit's vLLM worker, called directly and through this commit's
+    control plane."""
+    result: dict[str, Any] = {"label": "fast-before-worker", "runs": []}
+    logs = out / "logs-before-worker"
+    logs.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "pyworker", "--model", str(model), "--port", str(port),
+        "--engine-args", json.dumps(FAST_SETTINGS),
+    ]  # fmt: skip
+    proc = systems.start("pyworker-before", argv, logs, f"127.0.0.1:{port}", cwd=before)
+    try:
+        systems.wait_grpc_serving(proc, proc.address)
+        wpids = [proc.popen.pid]
+        cpu = {"worker": wpids, "engine": systems.descendants(proc.popen.pid)}
+        with systems.control_plane(_remote("m", model, [proc.address]), logs, "cp") as (cp, cpp):
+            cpu["control"] = [cpp.popen.pid]
+            run_load("worker-stream", proc.address, "m", 64, seed=99, processes=2)
+            with profiled(out, {"worker-before": proc.popen.pid}):
+                _run(result, "worker (GenerateStream), before", "worker-stream", proc.address, cpu)
+            _run(result, "control plane x1 on the worker before", "switchyard", cp, cpu)
+            _run(result, "worker (GenerateStream), before", "worker-stream", proc.address, cpu)
+    finally:
+        proc.stop()
+    return result
+
+
+def two_workers(model: Path, out: Path) -> dict[str, Any]:
+    """Two workers on one GPU (each with under half of its memory): both called directly
+    at once, then one control plane in front of both."""
+    settings = {**FAST_SETTINGS, "gpu_memory_utilization": 0.42}
+    result: dict[str, Any] = {"label": "fast-two-workers", "settings": settings, "runs": []}
+    logs = out / "logs-two"
+    logs.mkdir(parents=True, exist_ok=True)
+    with systems.control_plane(_model_yaml("m", model, settings, replicas=2), logs) as (cp, proc):
+        workers = [w["address"] for w in list_workers(cp)]
+        result["workers"] = list_workers(cp)
+        run_load("switchyard", cp, "m", 64, seed=99, processes=2)
+        for _ in range(2):
+            both: list[dict[str, Any]] = []
+
+            def one(address: str, into: list[dict[str, Any]] = both) -> None:
+                into.append(run_load("worker-stream", address, "m", LOAD // 2, seed=1, processes=3))
+
+            threads = [threading.Thread(target=one, args=(w,)) for w in workers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            combined = {
+                "label": "both workers directly, at once",
+                "system": "worker-stream x2",
+                "requests": sum(r["requests"] for r in both),
+                "tokens": sum(r["tokens"] for r in both),
+                # both ran at once: all their tokens over the longer of the two runs
+                "tokens_per_s": sum(r["tokens"] for r in both) / max(r["seconds"] for r in both),
+                "errors": sum(r["errors"] for r in both),
+                "parts": both,
+            }
+            result["runs"].append(combined)
+            log.info("run", system=combined["label"], tokens_per_s=round(combined["tokens_per_s"]))
+            cpu = {"control": [proc.popen.pid]}
+            _run(result, "control plane x1, two workers", "switchyard", cp, cpu)
+        with systems.control_plane(_remote("m", model, workers), logs, "routers-4", 4) as (rcp, rp):
+            rpids = [rp.popen.pid, *systems.descendants(rp.popen.pid)]
+            _run(result, "control plane x4, two workers", "switchyard", rcp, {"control": rpids})
+    return result
+
+
+def peer(kind: str, model: Path, out: Path) -> dict[str, Any]:
+    logs = out / f"logs-fast-{kind}"
+    logs.mkdir(parents=True, exist_ok=True)
+    start = systems.vllm_openai_server if kind == "openai" else systems.vllm_grpc_server
+    target = "openai" if kind == "openai" else "vllm-grpc"
+    result: dict[str, Any] = {"label": f"fast-{kind}", "runs": []}
+    with start(model, logs, FAST_SETTINGS) as running:
+        run_load(target, running.address, str(model), 64, seed=99, processes=2)
+        for _ in range(2):
+            run = run_load(target, running.address, str(model), LOAD, seed=1, processes=CLIENTS)
+            run["label"] = kind
+            log.info("run", system=kind, tokens_per_s=round(run["tokens_per_s"]))
+            result["runs"].append(run)
+    return result
+
+
+def steps(phase: str, model: Path, out: Path) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
+    before_dir = os.environ.get("SWITCHYARD_BEFORE")
+    before = Path(before_dir) if before_dir else None
+    if phase == "fast":
+        return [("fronts", lambda: fronts(model, out, before))]
+    out_steps: list[tuple[str, Callable[[], dict[str, Any]]]] = []
+    if before is not None:
+        out_steps.append(("before-worker", lambda: before_worker(model, out, before)))
+    out_steps += [
+        ("two-workers", lambda: two_workers(model, out)),
+        ("vllm-grpc", lambda: peer("vllm-grpc", model, out)),
+        ("openai", lambda: peer("openai", model, out)),
+    ]
+    return out_steps
