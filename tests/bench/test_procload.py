@@ -3,6 +3,7 @@ C++ worker on its simulator (benchmarks: these check that they count right, not 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -37,11 +38,12 @@ def test_spread_load_counts_every_token_of_every_process(tmp_path: Path) -> None
 
 def test_the_cpu_proxy_prints_cpu_per_token_for_each_process(tmp_path: Path) -> None:
     out = tmp_path / "proxy.json"
+    argv = [
+        sys.executable, "-m", "bench.cpu_proxy", "--streams", "16", "--rate", "800",
+        "--output", "32", "--routers", "1", "--json", str(out),
+    ]  # fmt: skip
     run = subprocess.run(
-        [
-            sys.executable, "-m", "bench.cpu_proxy", "--streams", "16", "--rate", "800",
-            "--output", "32", "--routers", "1", "--json", str(out),
-        ],  # fmt: skip
+        argv,
         capture_output=True,
         text=True,
         timeout=300,
@@ -53,8 +55,6 @@ def test_the_cpu_proxy_prints_cpu_per_token_for_each_process(tmp_path: Path) -> 
         "| worker (GenerateStream)",
         "| control plane, 1 process",
     ]
-    import json
-
     data = json.loads(out.read_text())
     cp = data["results"][1]
     assert cp["errors"] == 0
