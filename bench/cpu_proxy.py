@@ -30,6 +30,7 @@ from typing import Any
 from bench import systems
 from bench.loadgen import Workload
 from bench.procload import processes_for, spread_load
+from control.fleet.supervisor import free_port
 from switchyard_common.tinymodel import ensure_tiny_model
 
 
@@ -105,13 +106,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"    workers: [{', '.join(sims)}]\n"
             "    limits: {max_concurrency: 100000, max_queue: 100000}\n"
         )
-        for routers in args.routers:
-            name = f"control-x{routers}"
-            with systems.control_plane(model_yaml, log_dir, name, routers) as (cp, proc):
+        runs = [(r, None) for r in args.routers]
+        if args.before:
+            runs.append((1, args.before))
+        for routers, cwd in runs:
+            name = f"control-x{routers}" + ("-before" if cwd else "")
+            label = f"control plane, {routers} process{'es' if routers > 1 else ''}"
+            with systems.control_plane(model_yaml, log_dir, name, routers, cwd=cwd) as (
+                cp,
+                proc,
+            ):
                 pids = [proc.popen.pid, *systems.descendants(proc.popen.pid)]
                 results.append(
                     measure(
-                        f"control plane, {routers} process{'es' if routers > 1 else ''}",
+                        label + (f", from {cwd}" if cwd else ""),
                         "switchyard",
                         cp,
                         "sim",
@@ -120,6 +128,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         {"control plane": pids, "workers": sim_pids},
                     )
                 )
+    if args.vllm_streams:
+        trees: list[Path | None] = [None, *([args.before] if args.before else [])]
+        for cwd in trees:
+            results.append(vllm_worker(args, log_dir, cwd))
     return {
         "command": "python -m bench.cpu_proxy " + " ".join(args.argv),
         "streams": args.streams,
@@ -130,6 +142,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "results": results,
     }
+
+
+def vllm_worker(args: argparse.Namespace, log_dir: Path, cwd: Path | None) -> dict[str, Any]:
+    """The vLLM worker on the tiny model (vLLM on the CPU, so far slower than a GPU),
+    called over GenerateStream: its own process's CPU per token, apart from the engine
+    core's (which the engine spends whatever the front)."""
+    model = ensure_tiny_model()
+    port = free_port()
+    settings = {"max_num_seqs": max(16, args.vllm_streams), "max_model_len": 2048}
+    argv = [
+        sys.executable, "-m", "pyworker", "--model", str(model), "--port", str(port),
+        "--engine-args", json.dumps(settings),
+    ]  # fmt: skip
+    name = "pyworker" + ("-before" if cwd else "")
+    proc = systems.start(name, argv, log_dir, f"127.0.0.1:{port}", cwd=cwd)
+    try:
+        systems.wait_grpc_serving(proc, proc.address)
+        work = Workload(
+            requests=args.vllm_streams * args.rounds,
+            prompt_len=(args.prompt, args.prompt),
+            output_len=(args.output, args.output),
+            vocab=(4, 500),
+        )
+        warm = Workload(requests=args.vllm_streams, prompt_len=(16, 16), output_len=(16, 16))
+        spread_load("worker-stream", proc.address, "", warm, args.vllm_streams, processes=1)
+        groups = {
+            "workers": [proc.popen.pid],
+            "engine core": systems.descendants(proc.popen.pid),
+        }
+        label = "vLLM worker on the CPU (GenerateStream)" + (f", from {cwd}" if cwd else "")
+        streams = argparse.Namespace(**{**vars(args), "streams": args.vllm_streams, "clients": 1})
+        return measure(label, "worker-stream", proc.address, "", work, streams, groups)
+    finally:
+        proc.stop()
 
 
 def print_table(data: dict[str, Any]) -> None:
@@ -164,6 +210,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clients", type=int, default=0, help="client processes (default: auto)")
     p.add_argument("--connections", type=int, default=8, help="channels per client process")
     p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument(
+        "--vllm-streams",
+        type=int,
+        default=0,
+        help="also drive the vLLM worker (tiny model, vLLM on the CPU) with this many streams",
+    )
+    p.add_argument(
+        "--before",
+        type=Path,
+        help="also run the control plane of another checkout (its control, pyworker and "
+        "switchyard_common), for a before-and-after comparison in one run",
+    )
     args = p.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
     data = run(args)

@@ -75,6 +75,17 @@ class Proc:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
+# `python -m MODULE ARGS` from the working directory's packages, even where this checkout
+# is installed editable (its import hook would otherwise win over the directory).
+_FROM_CHECKOUT = (
+    "import runpy, sys; "
+    "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in "
+    "getattr(f, '__module__', type(f).__module__)]; "
+    "sys.path.insert(0, ''); module = sys.argv[1]; sys.argv = [module, *sys.argv[2:]]; "
+    "runpy.run_module(module, run_name='__main__', alter_sys=True)"
+)
+
+
 def start(
     name: str,
     argv: list[str],
@@ -87,6 +98,8 @@ def start(
     finds its packages (another checkout, for a before-and-after comparison)."""
     log_path = log_dir / f"{name}.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", SWITCHYARD_LOG_LEVEL=log_level)
+    if cwd is not None and argv[1:2] == ["-m"]:
+        argv = [argv[0], "-c", _FROM_CHECKOUT, *argv[2:]]
     with open(log_path, "wb") as out:
         popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     log.debug("started", system=name, pid=popen.pid)
