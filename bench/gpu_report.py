@@ -325,11 +325,18 @@ def splice(existing: str, block: str) -> str:
     return existing.rstrip("\n") + "\n\n" + block + "\n"
 
 
+# A fast engine on the H200 (bench.gpu_fast, docs/profiles.md): written by hand from
+# its results, kept like the GPU section.
+FAST_BEGIN, FAST_END = "<!-- fast:begin -->", "<!-- fast:end -->"
+
+
 def kept_section(existing: str) -> str:
-    """The GPU section of `existing`, for bench.report to keep when it rewrites the rest."""
-    if BEGIN in existing and END in existing:
-        return BEGIN + existing.partition(BEGIN)[2].partition(END)[0] + END
-    return ""
+    """The GPU sections of `existing`, for bench.report to keep when it rewrites the rest."""
+    kept = []
+    for begin, end in ((BEGIN, END), (FAST_BEGIN, FAST_END)):
+        if begin in existing and end in existing:
+            kept.append(begin + existing.partition(begin)[2].partition(end)[0] + end)
+    return "\n\n".join(kept)
 
 
 def write_report(folders: list[Path], docs: Path = DOCS) -> None:

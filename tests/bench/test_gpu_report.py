@@ -13,3 +13,11 @@ def test_the_gpu_section_is_replaced_in_place_and_kept() -> None:
     assert "H200 v1" not in second and "H200 v2" in second and second.endswith("tail\n")
     assert kept_section(second) == f"{BEGIN}\nH200 v2\n{END}"
     assert kept_section(doc) == ""
+
+
+def test_the_fast_engine_section_is_kept_too() -> None:
+    from bench.gpu_report import FAST_BEGIN, FAST_END
+
+    doc = f"# Benchmarks\n\nCPU\n\n{BEGIN}\nH200\n{END}\n\n{FAST_BEGIN}\n1B\n{FAST_END}\n"
+    assert kept_section(doc) == f"{BEGIN}\nH200\n{END}\n\n{FAST_BEGIN}\n1B\n{FAST_END}"
+    assert "1B" in splice(doc, f"{BEGIN}\nH200 v2\n{END}")
