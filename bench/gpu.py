@@ -31,7 +31,7 @@ import structlog
 
 from bench import systems
 from bench.loadgen import Workload, make_target
-from bench.procload import spread_load
+from bench.procload import percentiles, spread_load
 from switchyard_common.logs import configure_logging
 
 log = structlog.get_logger(__name__)
@@ -131,17 +131,6 @@ def run_load(
     )
 
 
-def _pcts(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    s = sorted(values)
-
-    def q(p: float) -> float:
-        return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
-
-    return {"p50": q(50), "p90": q(90), "p99": q(99)}
-
-
 # ---- the systems ----------------------------------------------------------------------
 
 
@@ -195,7 +184,7 @@ def _asyncllm_main(
             "seconds": took,
             "tokens_per_s": tokens / took,
             "errors": sum(1 for _, t in got if t != OUTPUT),
-            "ttft_ms": _pcts([t for t, _ in got if t is not None]),
+            "ttft_ms": percentiles([t for t, _ in got if t is not None]),
         }
 
     async def main() -> None:
