@@ -87,10 +87,6 @@ class Generations:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def drain_background(self) -> None:
-        while self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
-
     def admit(self, request: Any, request_id: str) -> tuple[InFlight, ParsedGenerate]:
         """Validate a request and count it in flight as the engine's `request_id`;
         raises `WorkerError`. The caller must `release` it unless `serve` runs."""

@@ -96,6 +96,10 @@ class StreamedRequest:
         refusal goes to the sink as an error."""
         engine = self._generations.engine
         loop = asyncio.get_running_loop()
+        if self._over:  # cancelled before this task ran: never reaches the engine
+            self._added = True
+            self._release()
+            return
         if self._deadline is not None:
             when = loop.time() + (self._deadline - time.monotonic())
             self._timer = loop.call_at(when, self._expire)
@@ -119,11 +123,18 @@ class StreamedRequest:
         if self._over:  # cancelled, or the deadline fell, while it was being added
             self._abort_then_release()
             return
-        pending = collector.output
-        collector.output = None
-        collector.put = self._put  # the output handler now calls us
+        try:
+            pending = collector.output
+            collector.output = None
+            collector.put = self._put  # the output handler now calls us
+        except Exception as exc:  # a vLLM whose collector works otherwise
+            log.error("cannot take the engine's outputs over", exc_info=exc)
+            self._fail(f"worker error: {exc!r}")
+            return
         if pending is not None:
             self._put(pending)
+        if self._state.aborted and not self._over:  # an Abort RPC came while it was added
+            self._send_abort()
 
     def cancel(self) -> None:
         """The caller gave up on this attempt: nothing more is sent; the engine request
@@ -144,9 +155,16 @@ class StreamedRequest:
             else:
                 self._take(out)
         except Exception as exc:  # a fault of ours: this request still ends
-            log.error("generate failed unexpectedly", request_id=self.request_id, exc_info=exc)
-            if not self._over:
-                self._fail(f"worker error: {exc!r}")
+            # This runs inside vLLM's output handler: nothing may escape, or vLLM would
+            # fail every request on the engine.
+            try:
+                log.error("generate failed unexpectedly", request_id=self.request_id, exc_info=exc)
+                if not self._over:
+                    self._fail(f"worker error: {exc!r}")
+                elif not self.done.done():
+                    self._abort_then_release()
+            except Exception:
+                self._release()
 
     def _take(self, out: Any) -> None:
         state = self._state
@@ -180,8 +198,10 @@ class StreamedRequest:
             if self._first_token_at is not None:
                 final.time_to_first_token_ms = (self._first_token_at - self._arrived) * 1000.0
             self._end()
-            self._sink.final(final)
-            self._release()  # the engine is done with it: nothing to abort
+            try:
+                self._sink.final(final)
+            finally:
+                self._release()  # the engine is done with it: nothing to abort
 
     # ---- endings ----------------------------------------------------------------------
 
@@ -199,8 +219,10 @@ class StreamedRequest:
             ),
         )
         self._end()
-        self._sink.final(final)
-        self._abort_then_release()
+        try:
+            self._sink.final(final)
+        finally:
+            self._abort_then_release()
 
     def _refused(self, exc: BaseException) -> None:
         if self._over:
@@ -217,8 +239,10 @@ class StreamedRequest:
             error = EngineFailure(f"engine error: {message}")
         log.warning("generate failed", request_id=self.request_id, error=str(error))
         self._end()
-        self._sink.error(error)
-        self._abort_then_release()
+        try:
+            self._sink.error(error)
+        finally:
+            self._abort_then_release()
 
     def _engine_failed(self, exc: BaseException) -> None:
         """The engine failed (the output handler hands every request its error)."""
@@ -233,20 +257,22 @@ class StreamedRequest:
         """End with an error: before any token as a status, after some as an ERROR final."""
         state = self._state
         self._end()
-        if state.completion_tokens == 0:
-            self._sink.error(EngineFailure(message))
-        else:
-            self._sink.final(
-                worker_pb2.Final(
-                    finish_reason=common_pb2.FINISH_REASON_ERROR,
-                    error_message=message,
-                    usage=common_pb2.Usage(
-                        prompt_tokens=state.prompt_tokens,
-                        completion_tokens=state.completion_tokens,
-                    ),
+        try:
+            if state.completion_tokens == 0:
+                self._sink.error(EngineFailure(message))
+            else:
+                self._sink.final(
+                    worker_pb2.Final(
+                        finish_reason=common_pb2.FINISH_REASON_ERROR,
+                        error_message=message,
+                        usage=common_pb2.Usage(
+                            prompt_tokens=state.prompt_tokens,
+                            completion_tokens=state.completion_tokens,
+                        ),
+                    )
                 )
-            )
-        self._abort_then_release()
+        finally:
+            self._abort_then_release()
 
     def _end(self) -> None:
         self._over = True
