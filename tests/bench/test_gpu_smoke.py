@@ -10,7 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.timeout(900)  # two vLLM engines and four control planes start: about 2 minutes
 def test_the_fast_phase_runs_every_system_on_the_cpu(tiny_model_dir: Path, tmp_path: Path) -> None:
     env = {
         k: v for k, v in os.environ.items() if k not in ("SWITCHYARD_BEFORE", "SWITCHYARD_PY_SPY")
