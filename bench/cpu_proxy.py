@@ -34,10 +34,6 @@ from control.fleet.supervisor import free_port
 from switchyard_common.tinymodel import ensure_tiny_model
 
 
-def _cpu(pids: list[int]) -> float:
-    return systems.cpu_seconds(pids)
-
-
 def measure(
     label: str,
     target: str,
@@ -47,7 +43,7 @@ def measure(
     args: argparse.Namespace,
     groups: dict[str, list[int]],
 ) -> dict[str, Any]:
-    before = {name: _cpu(pids) for name, pids in groups.items()}
+    before = {name: systems.cpu_seconds(pids) for name, pids in groups.items()}
     started = time.monotonic()
     run = spread_load(
         target,
@@ -60,7 +56,7 @@ def measure(
     )
     wall = time.monotonic() - started
     tokens = max(1, run["tokens"])
-    cpu = {name: _cpu(pids) - before[name] for name, pids in groups.items()}
+    cpu = {name: systems.cpu_seconds(pids) - before[name] for name, pids in groups.items()}
     return {
         "system": label,
         "tokens_per_s": round(run["tokens_per_s"]),

@@ -138,10 +138,17 @@ def asyncllm_inprocess(
     model: Path, settings: dict[str, Any], loads: tuple[int, ...] = ()
 ) -> list[dict[str, Any]]:
     """vLLM's AsyncLLM in this process, DELTA streaming: the ceiling for any front."""
-    argv = [sys.executable, "-m", "bench.gpu", "--asyncllm", json.dumps(settings)]
-    argv += ["--model-dir", str(model), "--loads", ",".join(map(str, loads or LOADS))]
+    argv = asyncllm_argv(model, settings, loads or LOADS)
     out = subprocess.run(argv, stdout=subprocess.PIPE, text=True, timeout=900, check=True)
     return [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def asyncllm_argv(model: Path, settings: dict[str, Any], loads: tuple[int, ...]) -> list[str]:
+    """The command of a process that runs AsyncLLM at `loads` and prints RESULT lines."""
+    return [
+        sys.executable, "-m", "bench.gpu", "--asyncllm", json.dumps(settings),
+        "--model-dir", str(model), "--loads", ",".join(map(str, loads)),
+    ]  # fmt: skip
 
 
 def _asyncllm_main(
@@ -306,19 +313,30 @@ def switchyard_fronts(
     return result
 
 
-def peer(kind: str, model: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
-    log_dir = out / f"logs-{kind}"
+def peer(
+    kind: str,
+    model: Path,
+    out: Path,
+    settings: dict[str, Any],
+    loads: tuple[int, ...] = (),
+    processes: int = 0,
+    label: str = "",
+) -> dict[str, Any]:
+    """vLLM's OpenAI or gRPC server with `settings`, one run at each of `loads`."""
+    label = label or kind
+    log_dir = out / f"logs-{label}"
     log_dir.mkdir(parents=True, exist_ok=True)
     start = systems.vllm_openai_server if kind == "openai" else systems.vllm_grpc_server
-    result: dict[str, Any] = {"label": kind, "runs": []}
+    target = "openai" if kind == "openai" else "vllm-grpc"
+    result: dict[str, Any] = {"label": label, "runs": []}
     started = time.monotonic()
     with start(model, log_dir, settings) as running:
         result["start_s"] = time.monotonic() - started
-        run_load(kind if kind == "openai" else "vllm-grpc", running.address, str(model), 32, 99)
-        for load in LOADS:
-            target = "openai" if kind == "openai" else "vllm-grpc"
-            run = run_load(target, running.address, str(model), load, seed=1)
-            log.info("run", label=kind, requests=load, tokens_per_s=round(run["tokens_per_s"]))
+        run_load(target, running.address, str(model), 32, 99)
+        for load in loads or LOADS:
+            run = run_load(target, running.address, str(model), load, 1, processes)
+            run["label"] = kind
+            log.info("run", label=label, requests=load, tokens_per_s=round(run["tokens_per_s"]))
             result["runs"].append(run)
     return result
 

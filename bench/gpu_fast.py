@@ -33,10 +33,12 @@ from bench import systems
 from bench.gpu import (
     SETTINGS,
     SMOKE_ENV,
+    asyncllm_argv,
     list_workers,
     run_load,
     served_model,
 )
+from bench.gpu import peer as gpu_peer
 from control.fleet.supervisor import free_port
 
 log = structlog.get_logger(__name__)
@@ -154,11 +156,7 @@ class _AsyncLLMBeside:
     share the GPU's time."""
 
     def __init__(self, model: Path, settings: dict[str, Any]) -> None:
-        argv = [
-            sys.executable, "-m", "bench.gpu", "--asyncllm", json.dumps(settings),
-            "--model-dir", str(model), "--loads", str(LOAD), "--go",
-            "--reps", "1",
-        ]  # fmt: skip
+        argv = [*asyncllm_argv(model, settings, (LOAD,)), "--go", "--reps", "1"]
         self.lines: list[str] = []
         self.ready = threading.Event()
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -248,7 +246,7 @@ def _save(out: Path, result: dict[str, Any]) -> None:
     (out / f"{result['label']}.json").write_text(json.dumps(result, indent=1))
 
 
-def _per_process_cores(pids: list[int], seconds: float = 0.0) -> dict[str, float]:
+def _per_process_cores(pids: list[int]) -> dict[str, float]:
     """CPU seconds each process has used so far (how the load spread over routers)."""
     return {str(pid): round(systems.cpu_seconds([pid]), 1) for pid in pids}
 
@@ -324,19 +322,9 @@ def two_workers(model: Path, out: Path) -> dict[str, Any]:
 
 
 def peer(kind: str, model: Path, out: Path) -> dict[str, Any]:
-    logs = out / f"logs-fast-{kind}"
-    logs.mkdir(parents=True, exist_ok=True)
-    start = systems.vllm_openai_server if kind == "openai" else systems.vllm_grpc_server
-    target = "openai" if kind == "openai" else "vllm-grpc"
-    result: dict[str, Any] = {"label": f"fast-{kind}", "runs": []}
-    with start(model, logs, FAST_SETTINGS) as running:
-        run_load(target, running.address, str(model), 64, seed=99, processes=2)
-        for _ in range(2):
-            run = run_load(target, running.address, str(model), LOAD, seed=1, processes=CLIENTS)
-            run["label"] = kind
-            log.info("run", system=kind, tokens_per_s=round(run["tokens_per_s"]))
-            result["runs"].append(run)
-    return result
+    return gpu_peer(
+        kind, model, out, FAST_SETTINGS, (LOAD, LOAD), processes=CLIENTS, label=f"fast-{kind}"
+    )
 
 
 def steps(phase: str, model: Path, out: Path) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
