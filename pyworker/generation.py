@@ -266,12 +266,7 @@ class Generations:
     ) -> None:
         message = describe(exc)
         if completion_tokens == 0:
-            kind = classify(exc)
-            if kind is InvalidArgument:
-                raise InvalidArgument.field(client_field(exc), message) from exc
-            if kind is Overloaded:
-                raise Overloaded(f"the engine is full: {message}") from exc
-            raise EngineFailure(f"engine error: {message}") from exc
+            raise refusal(exc) from exc
         log.error("engine failed mid-stream", request_id=state.request_id, error=message)
         await self._guard_abort(state)
         final = worker_pb2.Final(
@@ -401,6 +396,18 @@ def queue_ms(metrics: Any) -> float:
         return float(scheduled - queued) * 1000.0
     in_queue = getattr(metrics, "time_in_queue", None)  # older releases
     return float(in_queue) * 1000.0 if in_queue else 0.0
+
+
+def refusal(exc: BaseException) -> WorkerError:
+    """What the caller hears of an engine error before the request's first token: its
+    own fault naming the field, a full engine, or an engine failure."""
+    kind = classify(exc)
+    message = describe(exc)
+    if kind is InvalidArgument:
+        return InvalidArgument.field(client_field(exc), message)
+    if kind is Overloaded:
+        return Overloaded(f"the engine is full: {message}")
+    return EngineFailure(f"engine error: {message}")
 
 
 def classify(exc: BaseException) -> type[WorkerError] | None:

@@ -24,8 +24,8 @@ import structlog
 from switchyard.v1 import common_pb2
 from switchyard.worker.v1 import worker_pb2
 
-from pyworker.errors import EngineFailure, InvalidArgument, Overloaded, WorkerError
-from pyworker.generation import Generations, classify, client_field, describe, logprobs, queue_ms
+from pyworker.errors import EngineFailure, WorkerError
+from pyworker.generation import Generations, describe, logprobs, queue_ms, refusal
 from pyworker.load import InFlight
 from pyworker.request import ParsedGenerate
 
@@ -228,15 +228,7 @@ class StreamedRequest:
         if self._over:
             self._abort_then_release()
             return
-        kind = classify(exc)
-        message = describe(exc)
-        error: WorkerError
-        if kind is InvalidArgument:
-            error = InvalidArgument.field(client_field(exc), message)
-        elif kind is Overloaded:
-            error = Overloaded(f"the engine is full: {message}")
-        else:
-            error = EngineFailure(f"engine error: {message}")
+        error = refusal(exc)
         log.warning("generate failed", request_id=self.request_id, error=str(error))
         self._end()
         try:
