@@ -5,8 +5,8 @@ the pace (issue 11). Run by `bench.gpu --phase fast|fast2` (scripts/gpu-bench.sh
            directly (GenerateStream), the control plane in one process, and router-only
            control planes (2 and 4 processes) and the previous commit's control plane in
            front of the same worker; py-spy profiles of the worker and the control plane
-    fast2: the previous commit's worker; two workers on one GPU behind one control plane;
-           vLLM's gRPC and OpenAI servers
+    fast2: two workers on one GPU behind one control plane; vLLM's gRPC and OpenAI
+           servers; the previous commit's worker
 
 Every system gets FAST_SETTINGS; 1000 concurrent requests of 128 prompt and 256 output
 tokens (ignore_eos), load from CLIENTS processes over CONNECTIONS channels each. The
@@ -54,10 +54,11 @@ FAST_SETTINGS: dict[str, Any] = {
 }
 LOAD = 1000
 CLIENTS = 6
-PROFILE_S = 10
+PROFILE_S = 10.0
+ROUTERS = (2, 4)  # router-only control planes beside the one process
 if os.environ.get(SMOKE_ENV):  # a CPU check of the code paths (bench.gpu --smoke)
     FAST_SETTINGS = {**SETTINGS, "max_num_seqs": 64}
-    LOAD, CLIENTS, PROFILE_S = 16, 2, 2
+    LOAD, CLIENTS, PROFILE_S = 16, 2, 2.0
 
 
 def _model_yaml(name: str, model: Path, settings: dict[str, Any], replicas: int = 1) -> str:
@@ -90,18 +91,21 @@ def _cores(pids: list[int]) -> Callable[[], float]:
 
 
 @contextlib.contextmanager
-def profiled(out: Path, targets: dict[str, int], delay_s: float = 6.0) -> Iterator[None]:
-    """py-spy (SWITCHYARD_PY_SPY) on each process for PROFILE_S seconds, `delay_s` into
-    the run: collapsed stacks in OUT/profile-NAME.txt."""
-    spy = os.environ.get("SWITCHYARD_PY_SPY") or shutil.which("py-spy")
+def profiled(
+    out: Path, targets: dict[str, int], delay_s: float = 6.0, seconds: float = PROFILE_S
+) -> Iterator[None]:
+    """py-spy (SWITCHYARD_PY_SPY) on each process for `seconds`, `delay_s` into the run:
+    collapsed stacks in OUT/profile-NAME.txt."""
+    spy = (os.environ.get("SWITCHYARD_PY_SPY") or shutil.which("py-spy")) if targets else None
     procs: list[subprocess.Popen[bytes]] = []
 
     def go() -> None:
         time.sleep(delay_s)
         for name, pid in targets.items():
             argv = [
-                str(spy), "record", "--nonblocking", "-p", str(pid), "-d", str(PROFILE_S),
-                "-r", "100", "--format", "raw", "-o", str(out / f"profile-{name}.txt"),
+                str(spy), "record", "--nonblocking", "-p", str(pid),
+                "-d", str(max(1, round(seconds))), "-r", "100",
+                "--format", "raw", "-o", str(out / f"profile-{name}.txt"),
             ]  # fmt: skip
             quiet = subprocess.DEVNULL
             procs.append(subprocess.Popen(argv, stdout=quiet, stderr=quiet))
@@ -116,7 +120,7 @@ def profiled(out: Path, targets: dict[str, int], delay_s: float = 6.0) -> Iterat
             thread.join()
             for p in procs:
                 try:
-                    p.wait(PROFILE_S + 30)
+                    p.wait(seconds + 30)
                 except subprocess.TimeoutExpired:
                     p.kill()
 
@@ -156,7 +160,7 @@ class _AsyncLLMBeside:
     share the GPU's time."""
 
     def __init__(self, model: Path, settings: dict[str, Any]) -> None:
-        argv = [*asyncllm_argv(model, settings, (LOAD,)), "--go", "--reps", "1"]
+        argv = [*asyncllm_argv(model, settings, (LOAD,)), "--go", "--reps", "2"]
         self.lines: list[str] = []
         self.ready = threading.Event()
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -191,10 +195,13 @@ class _AsyncLLMBeside:
 
 
 def fronts(model: Path, out: Path, before: Path | None) -> dict[str, Any]:
-    """AsyncLLM in-process, then, on one worker started by `switchyard serve`: the worker
-    called directly, the control plane in one process (profiled, with the worker), in
-    four router processes, and the previous commit's control plane. Every engine gets
-    0.42 of the GPU's memory (two share it); the KV cache still holds every request."""
+    """AsyncLLM in-process (two passes), then, on one worker started by `switchyard
+    serve`, two passes in opposite orders of: the worker called directly, the control
+    plane in one process, router-only control planes of 2 and 4 processes, and the
+    previous commit's control plane, all in front of the same worker. Profiles in the
+    first pass; the second pass profiles the control plane's start of 1000 requests.
+    Every engine gets 0.42 of the GPU's memory (two share it); the KV cache still holds
+    every request."""
     settings = {**FAST_SETTINGS, "gpu_memory_utilization": 0.42}
     result: dict[str, Any] = {"label": "fast-fronts", "settings": settings, "runs": []}
     logs = out / "logs-fast"
@@ -202,7 +209,10 @@ def fronts(model: Path, out: Path, before: Path | None) -> dict[str, Any]:
     started = time.monotonic()
     beside = _AsyncLLMBeside(model, settings)
     try:
-        with systems.control_plane(_model_yaml("m", model, settings), logs) as (cp, proc):
+        with contextlib.ExitStack() as stack:
+            cp, proc = stack.enter_context(
+                systems.control_plane(_model_yaml("m", model, settings), logs)
+            )
             result["start_s"] = time.monotonic() - started
             workers = list_workers(cp)
             result["workers_at_start"] = workers
@@ -216,27 +226,49 @@ def fronts(model: Path, out: Path, before: Path | None) -> dict[str, Any]:
             _save(out, result)
             worker_pids = _pids_named(proc.popen.pid, "pyworker")
             engine = [p for w in worker_pids for p in systems.descendants(w)]
-            cpu = {"control": [proc.popen.pid], "worker": worker_pids, "engine": engine}
-            run_load("switchyard", cp, "m", 64, seed=99, processes=2)  # warm-up
-            with profiled(out, {"worker-direct": worker_pids[0]}):
-                _run(result, "worker (GenerateStream)", "worker-stream", worker, cpu, out=out)
-            with profiled(out, {"control": proc.popen.pid, "worker": worker_pids[0]}):
-                _run(result, "control plane x1", "switchyard", cp, cpu, out=out)
+            base = {"worker": worker_pids, "engine": engine}
+            # label -> (target, address, control-plane pids, profile names -> pids)
+            fronts_: dict[str, tuple[str, str, list[int], dict[str, int]]] = {
+                "worker (GenerateStream)": (
+                    "worker-stream", worker, [], {"worker-direct": worker_pids[0]}
+                ),
+                "control plane x1": (
+                    "switchyard", cp, [proc.popen.pid],
+                    {"control": proc.popen.pid, "worker": worker_pids[0]},
+                ),
+            }  # fmt: skip
             remote = _remote("m", model, [worker])
-            with systems.control_plane(remote, logs, "routers-4", 4) as (rcp, rproc):
+            for n in ROUTERS:
+                rcp, rproc = stack.enter_context(
+                    systems.control_plane(remote, logs, f"routers-{n}", n)
+                )
                 rpids = [rproc.popen.pid, *systems.descendants(rproc.popen.pid)]
-                rcpu = {"control": rpids, "worker": worker_pids, "engine": engine}
-                run = _run(result, "control plane x4", "switchyard", rcp, rcpu, out=out)
-                run["per_router_cpu_s"] = _per_process_cores(rpids)
+                fronts_[f"control plane x{n}"] = ("switchyard", rcp, rpids, {})
             if before is not None:
-                with systems.control_plane(remote, logs, "before", 1, cwd=before) as (bcp, bp):
-                    bcpu = {"control": [bp.popen.pid], "worker": worker_pids, "engine": engine}
-                    with profiled(out, {"control-before": bp.popen.pid}):
-                        _run(result, "control plane x1, before", "switchyard", bcp, bcpu, out=out)
-            # Second passes, while the time lasts (a run that is cut off leaves the rest).
-            _run(result, "worker (GenerateStream)", "worker-stream", worker, cpu, out=out)
-            _run(result, "control plane x1", "switchyard", cp, cpu, out=out)
+                bcp, bp = stack.enter_context(
+                    systems.control_plane(remote, logs, "before", 1, cwd=before)
+                )
+                fronts_["control plane x1, before"] = (
+                    "switchyard", bcp, [bp.popen.pid], {"control-before": bp.popen.pid}
+                )  # fmt: skip
+            run_load("switchyard", cp, "m", 64, seed=99, processes=2)  # warm-up
+            order = list(fronts_)
+            for passed, labels in enumerate((order, order[::-1])):
+                for label in labels:
+                    target, address, cp_pids, targets = fronts_[label]
+                    cpu = {**base, "control": cp_pids}
+                    delay, seconds = 6.0, PROFILE_S
+                    if passed == 1:
+                        targets = {}
+                        if label == "control plane x1":  # the burst: 1000 requests at once
+                            targets, delay, seconds = {"control-burst": proc.popen.pid}, 0.5, 3.0
+                    with profiled(out, targets, delay, seconds):
+                        run = _run(result, label, target, address, cpu, out=out)
+                    if len(cp_pids) > 1:
+                        run["per_router_cpu_s"] = _per_process_cores(cp_pids)
+                    run["pass"] = passed + 1
             result["workers_under_load"] = list_workers(cp)
+            _save(out, result)
     finally:
         beside.stop()
     return result
@@ -332,12 +364,11 @@ def steps(phase: str, model: Path, out: Path) -> list[tuple[str, Callable[[], di
     before = Path(before_dir) if before_dir else None
     if phase == "fast":
         return [("fronts", lambda: fronts(model, out, before))]
-    out_steps: list[tuple[str, Callable[[], dict[str, Any]]]] = []
-    if before is not None:
-        out_steps.append(("before-worker", lambda: before_worker(model, out, before)))
-    out_steps += [
+    out_steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("two-workers", lambda: two_workers(model, out)),
         ("vllm-grpc", lambda: peer("vllm-grpc", model, out)),
         ("openai", lambda: peer("openai", model, out)),
     ]
+    if before is not None:  # last: the first to go when the device time runs short
+        out_steps.append(("before-worker", lambda: before_worker(model, out, before)))
     return out_steps

@@ -30,14 +30,18 @@ case "${1:-}" in
     [ -d "$root/.gpu/before/control" ] && export SWITCHYARD_BEFORE="$root/.gpu/before"
     for phase in "$@"; do
       echo "[gpu-bench] phase $phase" >&2
-      python3 -m bench.gpu --phase "$phase" --out "$out" 2>&1 | tee "$out/$phase.log" \
+      # A phase that outruns its time (PHASE_LIMIT_S) is stopped as by Ctrl-C: it stops
+      # its servers, and what it measured so far is saved and packed below.
+      timeout --signal=INT --kill-after=30 "${PHASE_LIMIT_S:-3000}" \
+        python3 -m bench.gpu --phase "$phase" --out "$out" 2>&1 | tee "$out/$phase.log" \
         | grep -v -E "^\(|WARNING|it/s\]" || true
       for f in "$out"/profile-*.txt; do
         [ -f "$f" ] && python3 -m bench.profile_summary "$f" >> "$out/profiles-$phase.md" || true
       done
-      # Keep what comes back small: the logs of each system, compressed.
-      tar -C "$out" -czf "$out/$phase-logs.tgz" $(cd "$out" && ls -d logs-* 2>/dev/null) "$phase.log" 2>/dev/null || true
-      rm -rf "$out"/logs-* "$out/$phase.log"
+      # Keep what comes back small and few (8 files at most): the logs of each system and
+      # the raw profiles, compressed into one file.
+      tar -C "$out" -czf "$out/$phase-logs.tgz" $(cd "$out" && ls -d logs-* profile-*.txt 2>/dev/null) "$phase.log" 2>/dev/null || true
+      rm -rf "$out"/logs-* "$out"/profile-*.txt "$out/$phase.log"
     done
     ls -la "$out" ;;
   *)
