@@ -64,6 +64,7 @@ def measure(
         "errors": run["errors"],
         "first_errors": run["first_errors"],
         "ttft_p50_ms": round(run["ttft_ms"].get("p50", 0.0), 1),
+        "ttft_p99_ms": round(run["ttft_ms"].get("p99", 0.0), 1),
         "cpu_ms_per_1k_tokens": {k: round(v * 1e6 / tokens, 1) for k, v in cpu.items()},
         "cores_busy": {k: round(v / wall, 2) for k, v in cpu.items()},
         "client_processes": run["client_processes"],
@@ -180,13 +181,17 @@ def print_table(data: dict[str, Any]) -> None:
         f"(simulator step {data['sim_step_us']} us), {data['prompt']} prompt / "
         f"{data['output']} output tokens, {data['cpus']} CPUs"
     )
-    head = "system", "tokens/s", "tok/msg", "CP ms/1k tok", "CP cores", "worker ms/1k", "clients"
+    head = (
+        "system", "tokens/s", "TTFT p50 / p99 ms", "tok/msg", "CP ms/1k tok", "CP cores",
+        "worker ms/1k", "clients",
+    )  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in data["results"]:
         cpu, cores = r["cpu_ms_per_1k_tokens"], r["cores_busy"]
         print(
-            f"| {r['system']} | {r['tokens_per_s']:,} | {r['tokens_per_message']} | "
+            f"| {r['system']} | {r['tokens_per_s']:,} | "
+            f"{r['ttft_p50_ms']:,.0f} / {r['ttft_p99_ms']:,.0f} | {r['tokens_per_message']} | "
             f"{cpu.get('control plane', '-')} | {cores.get('control plane', '-')} | "
             f"{cpu['workers']} | {r['client_processes']} (busy {max(r['client_busy'])}) |"
         )

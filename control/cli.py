@@ -33,6 +33,13 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="control-plane processes serving the port (SO_REUSEPORT); default 1",
     )
+    s.add_argument(
+        "--listeners",
+        type=_positive,
+        default=None,
+        help="gRPC servers each process runs on the port, each accepting new calls on its "
+        "own (grpc.aio accepts one at a time per server); default 16",
+    )
     # Internal: how the supervisor starts its extra router processes.
     s.add_argument("--router-of", help=argparse.SUPPRESS)
     s.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
@@ -77,8 +84,15 @@ def _serve(args: argparse.Namespace) -> int:
     # asyncio's own loop, not uvloop: this process forks workers and routers, and a
     # child forked by uvloop (fork(), so gRPC's fork handlers run) once died of SIGSEGV
     # before exec.
+    listeners = {"listeners": args.listeners} if args.listeners else {}
     return asyncio.run(
-        serve(config, routers=args.routers, router_of=args.router_of, ready_file=args.ready_file)
+        serve(
+            config,
+            routers=args.routers,
+            router_of=args.router_of,
+            ready_file=args.ready_file,
+            **listeners,
+        )
     )
 
 

@@ -4,6 +4,15 @@ workers behind each model.
 Order of life: listen at once (health NOT_SERVING), start or join the workers, load the
 tokenizers, then SERVING per model. Shutdown: NOT_SERVING, `server.stop(grace)`, stop the
 local workers, close the channels.
+
+Listeners: grpc.aio accepts one new call at a time per server, and each accept waits for
+a turn of the event loop. Behind a thousand streams, when every turn carries a message
+for each of them, one server accepted new requests so slowly that they waited seconds
+before being seen (TTFT p90 13 s on the H200, where the worker alone answered within
+1 s). So the process runs `listeners` servers on its port (SO_REUSEPORT among
+themselves; the kernel spreads client connections over them), each accepting on its own:
+as many accepts per turn as there are listeners with new calls. A port that another
+process serves is still refused first ("port in use").
 """
 
 from __future__ import annotations
@@ -26,12 +35,13 @@ from control.config import ModelSpec, ServeConfig
 from control.fleet.lifecycle import ModelLoader, StartupError
 from control.fleet.models import ModelRegistry
 from control.fleet.routers import AdminForwarder, RouterPool
-from switchyard_common.ports import bind
+from switchyard_common.ports import bind, check_free
 
 log = structlog.get_logger(__name__)
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+DEFAULT_LISTENERS = 16
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -47,6 +57,7 @@ class ControlPlane:
         routers: int = 1,
         router_of: str | None = None,
         ready_file: Path | None = None,
+        listeners: int = DEFAULT_LISTENERS,
     ) -> None:
         self.config = config
         self.routers = routers
@@ -54,13 +65,13 @@ class ControlPlane:
         self.ready_file = ready_file
         self.registry = ModelRegistry()
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        shared_port = routers > 1 or router_of is not None
-        self.server = grpc.aio.server(
-            options=[
-                ("grpc.so_reuseport", 1 if shared_port else 0),
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ]
-        )
+        self.shared_port = routers > 1 or router_of is not None or listeners > 1
+        options = [
+            ("grpc.so_reuseport", 1 if self.shared_port else 0),
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ]
+        self.servers = [grpc.aio.server(options=options) for _ in range(max(1, listeners))]
+        self.server = self.servers[0]  # also serves the routers' private Admin port
         self.pool: RouterPool | None = None
         self.forwarder: AdminForwarder | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -70,36 +81,36 @@ class ControlPlane:
         self.port = 0
 
     async def start(self) -> None:
-        generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.registry), self.server
-        )
+        generation = GenerationServicer(self.registry)
+        admin: admin_pb2_grpc.AdminServicer
         if self.router_of is not None:
-            self.forwarder = AdminForwarder(self.router_of)
-            admin_pb2_grpc.add_AdminServicer_to_server(self.forwarder, self.server)
+            self.forwarder = admin = AdminForwarder(self.router_of)
         else:
             on_change = self._models_changed if self.routers > 1 else None
-            admin_pb2_grpc.add_AdminServicer_to_server(
-                AdminServicer(self.registry, self.loader, on_change), self.server
+            admin = AdminServicer(self.registry, self.loader, on_change)
+        for server in self.servers:
+            generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
+            admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            reflection.enable_server_reflection(
+                (GENERATION_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                server,
             )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (GENERATION_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
-            self.server,
-        )
         for name in ("", GENERATION_SERVICE, *(m.name for m in self.config.models)):
             await self.health.set(name, NOT_SERVING)
         # Until they are up, requests for configured models hear UNAVAILABLE ("loading").
         self.registry.loading.update(m.name for m in self.config.models)
-        self.port = bind(self.server, self.config.listen)
+        self._listen()
         private = ""
         if self.routers > 1:  # where the routers reach this process's Admin service
             private = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-        await self.server.start()
+        for server in self.servers:
+            await server.start()
         log.info("listening", address=self.config.listen, health="NOT_SERVING until ready")
         await asyncio.gather(*(self.loader.load(spec) for spec in self.config.models))
         if self.routers > 1:  # SERVING once every process serves
             listen = f"{self.config.listen.rpartition(':')[0]}:{self.port}"
-            self.pool = RouterPool(self.routers, listen, private)
+            self.pool = RouterPool(self.routers, listen, private, len(self.servers))
             await self.pool.start(self._models())
         await self._update_health()
         self._health_task = asyncio.create_task(self._health_loop(), name="model health")
@@ -114,6 +125,16 @@ class ControlPlane:
         )
         if self.ready_file is not None:
             self.ready_file.touch()
+
+    def _listen(self) -> None:
+        """Bind every listener to the configured address; refuse a port that another
+        process serves (a router process joins its supervisor's port on purpose)."""
+        host, _, port = self.config.listen.rpartition(":")
+        if self.shared_port and self.router_of is None and port.isdigit():
+            check_free(host, int(port))
+        self.port = bind(self.server, self.config.listen)
+        for server in self.servers[1:]:
+            bind(server, f"{host}:{self.port}")
 
     def _models(self) -> list[tuple[ModelSpec, list[str]]]:
         return [(e.spec, [w.address for w in e.workers]) for e in self.registry.all()]
@@ -168,7 +189,7 @@ class ControlPlane:
         if self.forwarder is not None:
             await self.forwarder.close()
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        await asyncio.gather(*(server.stop(grace) for server in self.servers))
         await self.loader.stop_all()
         log.info("stopped")
 
@@ -179,8 +200,11 @@ async def serve(
     routers: int = 1,
     router_of: str | None = None,
     ready_file: Path | None = None,
+    listeners: int = DEFAULT_LISTENERS,
 ) -> int:
-    plane = ControlPlane(config, routers=routers, router_of=router_of, ready_file=ready_file)
+    plane = ControlPlane(
+        config, routers=routers, router_of=router_of, ready_file=ready_file, listeners=listeners
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -71,9 +71,10 @@ def router_config(listen: str, models: Sequence[tuple[ModelSpec, Sequence[str]]]
 class RouterPool:
     """The supervisor's extra router processes."""
 
-    def __init__(self, count: int, listen: str, supervisor: str) -> None:
+    def __init__(self, count: int, listen: str, supervisor: str, listeners: int = 1) -> None:
         self.count = count
         self.listen = listen
+        self.listeners = listeners  # each router's, as the supervisor's
         self.supervisor = supervisor  # the supervisor's private address, for Admin
         self._dir = Path(tempfile.mkdtemp(prefix="switchyard-routers-"))
         self._routers: list[LocalWorker] = []
@@ -107,6 +108,7 @@ class RouterPool:
             cmd = [
                 sys.executable, "-m", "control", "serve", "--config", str(config),
                 "--router-of", self.supervisor, "--ready-file", str(ready),
+                "--listeners", str(self.listeners),
             ]  # fmt: skip
             router = LocalWorker(f"router-{i}", cmd, self.listen)
             await router.start()
