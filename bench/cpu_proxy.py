@@ -8,6 +8,8 @@ every process, CPU milliseconds per 1000 tokens, side by side in one run:
 
     python -m bench.cpu_proxy                         # worker direct, control plane x1, x2
     python -m bench.cpu_proxy --streams 200 --rate 6000 --routers 1 2 4
+    python -m bench.cpu_proxy --streams 1000 --rate 16000 --rounds 1 --routers 1 \
+        --listeners 1 16 1 16 --clients 2        # one process's accept: 1 against 16
 
 A change that adds per-token work shows as a larger figure for the control plane. The
 token rate a small machine reaches is printed too: when the control plane cannot keep
@@ -103,13 +105,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"    workers: [{', '.join(sims)}]\n"
             "    limits: {max_concurrency: 100000, max_queue: 100000}\n"
         )
-        runs = [(r, None) for r in args.routers]
+        runs: list[tuple[int, int, Path | None]] = [
+            (r, n, None) for r in args.routers for n in args.listeners
+        ]
         if args.before:
-            runs.append((1, args.before))
-        for routers, cwd in runs:
-            name = f"control-x{routers}" + ("-before" if cwd else "")
+            runs.append((1, 0, args.before))
+        for routers, listeners, cwd in runs:
+            name = f"control-x{routers}-l{listeners}" + ("-before" if cwd else "")
             label = f"control plane, {routers} process{'es' if routers > 1 else ''}"
-            with systems.control_plane(model_yaml, log_dir, name, routers, cwd=cwd) as (
+            if listeners:
+                label += f", {listeners} listener{'s' if listeners > 1 else ''}"
+            with systems.control_plane(model_yaml, log_dir, name, routers, cwd, listeners) as (
                 cp,
                 proc,
             ):
@@ -205,6 +211,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rate", type=float, default=30000.0, help="tokens/s the workers make")
     p.add_argument("--workers", type=int, default=1, help="simulator workers")
     p.add_argument("--routers", type=int, nargs="+", default=[1, 2])
+    p.add_argument(
+        "--listeners",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="gRPC listeners per control-plane process, each tried (0: its default)",
+    )
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", type=int, default=256)
     p.add_argument("--rounds", type=int, default=2, help="requests per stream")

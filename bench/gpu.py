@@ -115,16 +115,23 @@ def workload(requests: int, seed: int = 0) -> Workload:
 
 
 def run_load(
-    target: str, address: str, model: str, requests: int, seed: int = 0, processes: int = 0
+    target: str,
+    address: str,
+    model: str,
+    requests: int,
+    seed: int = 0,
+    processes: int = 0,
+    waves: int = 1,
 ) -> dict[str, Any]:
-    """`requests` concurrent requests (all at once, closed loop) from several processes
-    (CLIENT_PROCS, or `processes`), each over CONNECTIONS channels so that router
-    processes sharing a port all get traffic."""
+    """`requests` concurrent requests (all at once, closed loop; `waves` times as many in
+    all, each finished one replaced by the next) from several processes (CLIENT_PROCS, or
+    `processes`), each over CONNECTIONS channels so that router processes sharing a port
+    all get traffic."""
     return spread_load(
         target,
         address,
         model,
-        workload(requests, seed),
+        workload(requests * waves, seed),
         requests,
         processes=processes or CLIENT_PROCS,
         connections=CONNECTIONS,
@@ -143,16 +150,25 @@ def asyncllm_inprocess(
     return [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
 
 
-def asyncllm_argv(model: Path, settings: dict[str, Any], loads: tuple[int, ...]) -> list[str]:
-    """The command of a process that runs AsyncLLM at `loads` and prints RESULT lines."""
+def asyncllm_argv(
+    model: Path, settings: dict[str, Any], loads: tuple[int, ...], waves: int = 1
+) -> list[str]:
+    """The command of a process that runs AsyncLLM at `loads` (concurrent requests,
+    `waves` times as many in all) and prints RESULT lines."""
     return [
         sys.executable, "-m", "bench.gpu", "--asyncllm", json.dumps(settings),
         "--model-dir", str(model), "--loads", ",".join(map(str, loads)),
+        "--waves", str(waves),
     ]  # fmt: skip
 
 
 def _asyncllm_main(
-    model: str, settings: dict[str, Any], loads: tuple[int, ...], go: bool = False, reps: int = 2
+    model: str,
+    settings: dict[str, Any],
+    loads: tuple[int, ...],
+    go: bool = False,
+    reps: int = 2,
+    waves: int = 1,
 ) -> None:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -178,15 +194,23 @@ def _asyncllm_main(
             tokens += len(out.outputs[0].token_ids)
         return ttft, tokens
 
-    async def run(requests: int, seed: int) -> dict[str, Any]:
-        items = workload(requests, seed).items()
+    async def run(requests: int, seed: int, waves: int = 1) -> dict[str, Any]:
+        """`requests` at a time, `waves` times as many in all (closed loop)."""
+        items = workload(requests * waves, seed).items()
+        slots = asyncio.Semaphore(requests)
+
+        async def slot(i: int, p: list[int], n: int) -> tuple[float | None, int]:
+            async with slots:
+                return await one(i, p, n, seed)
+
         start = time.perf_counter()
-        got = await asyncio.gather(*(one(i, p, n, seed) for i, (p, n) in enumerate(items)))
+        got = await asyncio.gather(*(slot(i, p, n) for i, (p, n) in enumerate(items)))
         took = time.perf_counter() - start
         tokens = sum(t for _, t in got)
         return {
             "system": "asyncllm",
-            "requests": requests,
+            "requests": requests * waves,
+            "concurrency": requests,
             "tokens": tokens,
             "seconds": took,
             "tokens_per_s": tokens / took,
@@ -201,7 +225,7 @@ def _asyncllm_main(
             await asyncio.to_thread(sys.stdin.readline)
         for load in loads:
             for _ in range(reps):
-                print("RESULT " + json.dumps(await run(load, seed=1)), flush=True)
+                print("RESULT " + json.dumps(await run(load, seed=1, waves=waves)), flush=True)
 
     asyncio.run(main())
     llm.shutdown()
@@ -321,6 +345,7 @@ def peer(
     loads: tuple[int, ...] = (),
     processes: int = 0,
     label: str = "",
+    waves: int = 1,
 ) -> dict[str, Any]:
     """vLLM's OpenAI or gRPC server with `settings`, one run at each of `loads`."""
     label = label or kind
@@ -334,7 +359,7 @@ def peer(
         result["start_s"] = time.monotonic() - started
         run_load(target, running.address, str(model), 32, 99)
         for load in loads or LOADS:
-            run = run_load(target, running.address, str(model), load, 1, processes)
+            run = run_load(target, running.address, str(model), load, 1, processes, waves)
             run["label"] = kind
             log.info("run", label=label, requests=load, tokens_per_s=round(run["tokens_per_s"]))
             result["runs"].append(run)
@@ -372,6 +397,7 @@ def main() -> None:
     p.add_argument("--report", nargs="*", type=Path, help="result folders to write docs from")
     p.add_argument("--asyncllm", help=argparse.SUPPRESS)
     p.add_argument("--loads", default="", help=argparse.SUPPRESS)
+    p.add_argument("--waves", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--go", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--reps", type=int, default=0, help=argparse.SUPPRESS)
     for flag in ("--target", "--address", "--model"):
@@ -383,7 +409,7 @@ def main() -> None:
     if args.asyncllm:
         loads = tuple(int(x) for x in args.loads.split(","))
         settings = json.loads(args.asyncllm)
-        _asyncllm_main(str(args.model_dir), settings, loads, args.go, args.reps or 2)
+        _asyncllm_main(str(args.model_dir), settings, loads, args.go, args.reps or 2, args.waves)
         return
     if args.report is not None:
         from bench.gpu_report import write_report

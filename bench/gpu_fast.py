@@ -3,13 +3,15 @@ the pace (issue 11). Run by `bench.gpu --phase fast|fast2` (scripts/gpu-bench.sh
 
     fast:  AsyncLLM in-process; `switchyard serve` with its vLLM worker: the worker called
            directly (GenerateStream), the control plane in one process, and router-only
-           control planes (2 and 4 processes) and the previous commit's control plane in
-           front of the same worker; py-spy profiles of the worker and the control plane
+           control planes (one process with a single gRPC listener; 2 and 4 processes)
+           and the previous commit's control plane in front of the same worker; py-spy
+           profiles of the worker and the control plane
     fast2: two workers on one GPU behind one control plane; vLLM's gRPC and OpenAI
            servers; the previous commit's worker
 
 Every system gets FAST_SETTINGS; 1000 concurrent requests of 128 prompt and 256 output
-tokens (ignore_eos), load from CLIENTS processes over CONNECTIONS channels each. The
+tokens (ignore_eos), WAVES times as many in all, load from CLIENTS processes over
+CONNECTIONS channels each. The
 previous commit's code is a checkout in $SWITCHYARD_BEFORE (skipped if unset).
 """
 
@@ -53,9 +55,16 @@ FAST_SETTINGS: dict[str, Any] = {
     "num_gpu_blocks_override": 32768,
 }
 LOAD = 1000
+# Each run of the fast phase: WAVES x LOAD requests, LOAD at a time. One wave (the first
+# H200 runs) lasts 8-16 s, and its start and tail made two passes of one system differ by
+# up to 30%.
+WAVES = 2
 CLIENTS = 6
 PROFILE_S = 10.0
 ROUTERS = (2, 4)  # router-only control planes beside the one process
+# when the clients of a run start sending, after it is called (bench.procload's start_at;
+# the first H200 run profiled "the burst" at 0.5 s and caught one sample, before any load)
+LOAD_STARTS_S = 3.0 + 0.2 * CLIENTS + 0.2
 if os.environ.get(SMOKE_ENV):  # a CPU check of the code paths (bench.gpu --smoke)
     FAST_SETTINGS = {**SETTINGS, "max_num_seqs": 64}
     LOAD, CLIENTS, PROFILE_S = 16, 2, 2.0
@@ -136,7 +145,7 @@ def _run(
 ) -> dict[str, Any]:
     meters = {name: _cores(pids) for name, pids in cpu.items()}
     started = time.monotonic()
-    run = run_load(target, address, "m", requests, seed=1, processes=CLIENTS)
+    run = run_load(target, address, "m", requests, seed=1, processes=CLIENTS, waves=WAVES)
     wall = time.monotonic() - started
     run["label"] = label
     run["cores_busy"] = {name: round(m() / wall, 2) for name, m in meters.items()}
@@ -160,7 +169,7 @@ class _AsyncLLMBeside:
     share the GPU's time."""
 
     def __init__(self, model: Path, settings: dict[str, Any]) -> None:
-        argv = [*asyncllm_argv(model, settings, (LOAD,)), "--go", "--reps", "2"]
+        argv = [*asyncllm_argv(model, settings, (LOAD,), WAVES), "--go", "--reps", "2"]
         self.lines: list[str] = []
         self.ready = threading.Event()
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -238,6 +247,10 @@ def fronts(model: Path, out: Path, before: Path | None) -> dict[str, Any]:
                 ),
             }  # fmt: skip
             remote = _remote("m", model, [worker])
+            ocp, oproc = stack.enter_context(
+                systems.control_plane(remote, logs, "listener-1", 1, listeners=1)
+            )
+            fronts_["control plane x1, 1 listener"] = ("switchyard", ocp, [oproc.popen.pid], {})
             for n in ROUTERS:
                 rcp, rproc = stack.enter_context(
                     systems.control_plane(remote, logs, f"routers-{n}", n)
@@ -261,7 +274,8 @@ def fronts(model: Path, out: Path, before: Path | None) -> dict[str, Any]:
                     if passed == 1:
                         targets = {}
                         if label == "control plane x1":  # the burst: 1000 requests at once
-                            targets, delay, seconds = {"control-burst": proc.popen.pid}, 0.5, 3.0
+                            burst = {"control-burst": proc.popen.pid}
+                            targets, delay, seconds = burst, LOAD_STARTS_S, 3.0
                     with profiled(out, targets, delay, seconds):
                         run = _run(result, label, target, address, cpu, out=out)
                     if len(cp_pids) > 1:
@@ -326,7 +340,9 @@ def two_workers(model: Path, out: Path) -> dict[str, Any]:
             both: list[dict[str, Any]] = []
 
             def one(address: str, into: list[dict[str, Any]] = both) -> None:
-                into.append(run_load("worker-stream", address, "m", LOAD // 2, seed=1, processes=3))
+                into.append(
+                    run_load("worker-stream", address, "m", LOAD // 2, 1, processes=3, waves=WAVES)
+                )
 
             threads = [threading.Thread(target=one, args=(w,)) for w in workers]
             for t in threads:
@@ -355,7 +371,14 @@ def two_workers(model: Path, out: Path) -> dict[str, Any]:
 
 def peer(kind: str, model: Path, out: Path) -> dict[str, Any]:
     return gpu_peer(
-        kind, model, out, FAST_SETTINGS, (LOAD, LOAD), processes=CLIENTS, label=f"fast-{kind}"
+        kind,
+        model,
+        out,
+        FAST_SETTINGS,
+        (LOAD, LOAD),
+        processes=CLIENTS,
+        label=f"fast-{kind}",
+        waves=WAVES,
     )
 
 

@@ -189,14 +189,17 @@ def control_plane(
     name: str = "control",
     routers: int = 1,
     cwd: Path | None = None,
+    listeners: int = 0,
 ) -> Iterator[tuple[str, Proc]]:
     """Switchyard's control plane with the given models (YAML list items), in `routers`
-    processes on one port (from the checkout in `cwd`, if given)."""
+    processes on one port (from the checkout in `cwd`, if given), each with `listeners`
+    gRPC servers (0: its default)."""
     port = free_port()
     config = log_dir / f"{name}.yaml"
     config.write_text(f"listen: 127.0.0.1:{port}\nmodels:\n{model_yaml}")
     argv = [sys.executable, "-m", "control", "serve", "--config", str(config.resolve())]
-    proc = start(name, [*argv, "--routers", str(routers)], log_dir, cwd=cwd)
+    argv += ["--routers", str(routers)] + (["--listeners", str(listeners)] if listeners else [])
+    proc = start(name, argv, log_dir, cwd=cwd)
     try:
         wait_grpc_serving(proc, f"127.0.0.1:{port}", "")
         yield f"127.0.0.1:{port}", proc

@@ -31,6 +31,7 @@ def test_the_fast_phase_runs_every_system_on_the_cpu(tiny_model_dir: Path, tmp_p
     fronts_ = [
         "worker (GenerateStream)",
         "control plane x1",
+        "control plane x1, 1 listener",
         "control plane x2",
         "control plane x4",
     ]
