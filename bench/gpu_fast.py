@@ -93,6 +93,14 @@ def _pids_named(root: int, needle: str) -> list[int]:
     return out
 
 
+def _core(name: str, root: int) -> dict[str, int]:
+    """The engine-core process under `root`, named for a profile (nothing if not found):
+    vLLM titles it EngineCore where setproctitle is installed; else it is the child that
+    multiprocessing spawned."""
+    pids = _pids_named(root, "EngineCore") or _pids_named(root, "spawn_main")
+    return {name: pids[0]} if pids else {}
+
+
 def _cores(pids: list[int]) -> Callable[[], float]:
     """CPU seconds of `pids` since this call, as a function to call at the end."""
     start = systems.cpu_seconds(pids)
@@ -226,7 +234,11 @@ def fronts(model: Path, out: Path, before: Path | None) -> dict[str, Any]:
             workers = list_workers(cp)
             result["workers_at_start"] = workers
             worker = workers[0]["address"]
-            asyncllm = beside.run()
+            # Its own process and its engine core, to set beside the worker's (profiles
+            # from 2 s into its first pass).
+            pid = beside.proc.pid
+            with profiled(out, {"asyncllm": pid, **_core("asyncllm-core", pid)}, 2.0):
+                asyncllm = beside.run()
             result["asyncllm"] = asyncllm
             for r in asyncllm:
                 r["label"] = "AsyncLLM in-process"
@@ -239,7 +251,8 @@ def fronts(model: Path, out: Path, before: Path | None) -> dict[str, Any]:
             # label -> (target, address, control-plane pids, profile names -> pids)
             fronts_: dict[str, tuple[str, str, list[int], dict[str, int]]] = {
                 "worker (GenerateStream)": (
-                    "worker-stream", worker, [], {"worker-direct": worker_pids[0]}
+                    "worker-stream", worker, [],
+                    {"worker-direct": worker_pids[0], **_core("worker-core", worker_pids[0])},
                 ),
                 "control plane x1": (
                     "switchyard", cp, [proc.popen.pid],
