@@ -8,8 +8,8 @@ every process, CPU milliseconds per 1000 tokens, side by side in one run:
 
     python -m bench.cpu_proxy                         # worker direct, control plane x1, x2
     python -m bench.cpu_proxy --streams 200 --rate 6000 --routers 1 2 4
-    python -m bench.cpu_proxy --streams 1000 --rate 16000 --rounds 1 --routers 1 \
-        --listeners 1 16 1 16 --clients 2        # one process's accept: 1 against 16
+    python -m bench.cpu_proxy --streams 1000 --rate 16000 --routers 1 \
+        --listeners 1 16 1 16 --clients 2 --probe  # one process's accept: 1 against 16
 
 A change that adds per-token work shows as a larger figure for the control plane. The
 token rate a small machine reaches is printed too: when the control plane cannot keep
@@ -21,10 +21,12 @@ test: it prints figures and asserts nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,60 @@ from bench.loadgen import Workload
 from bench.procload import processes_for, spread_load
 from control.fleet.supervisor import free_port
 from switchyard_common.tinymodel import ensure_tiny_model
+
+
+class Probe:
+    """While a load runs: a one-token request on a fresh connection every `every_s`, and
+    its time to first token. It is what a new caller waits behind the load, where a
+    process that is slow to accept new calls shows (control/server.py, listeners)."""
+
+    def __init__(self, address: str, model: str, delay_s: float, every_s: float = 0.05) -> None:
+        self.address, self.model = address, model
+        self.delay_s, self.every_s = delay_s, every_s
+        self.ttft_ms: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Probe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def _run(self) -> None:
+        import grpc
+        from switchyard.v1 import generation_pb2, generation_pb2_grpc
+
+        if self._stop.wait(self.delay_s):  # the load's clients start sending then
+            return
+        i = 0
+        while not self._stop.is_set():
+            i += 1
+            options = [("grpc.use_local_subchannel_pool", 1)]  # a connection of its own
+            with grpc.insecure_channel(self.address, options=options) as ch:
+                grpc.channel_ready_future(ch).result(timeout=30)
+                req = generation_pb2.GenerateRequest(model=self.model)
+                req.token_ids.ids.extend([7 + i % 300] * 16)
+                req.stopping.max_tokens = 1
+                sent = time.perf_counter()
+                with contextlib.suppress(grpc.RpcError):
+                    for msg in generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60):
+                        if msg.HasField("chunk"):
+                            self.ttft_ms.append((time.perf_counter() - sent) * 1000)
+                            break
+            self._stop.wait(self.every_s)
+
+    def summary(self) -> dict[str, float]:
+        values = sorted(self.ttft_ms)
+        if not values:
+            return {}
+        return {
+            "p50": round(values[len(values) // 2], 1),
+            "p99": round(values[min(len(values) - 1, round(0.99 * (len(values) - 1)))], 1),
+            "samples": len(values),
+        }
 
 
 def measure(
@@ -47,15 +103,20 @@ def measure(
 ) -> dict[str, Any]:
     before = {name: systems.cpu_seconds(pids) for name, pids in groups.items()}
     started = time.monotonic()
-    run = spread_load(
-        target,
-        address,
-        model,
-        work,
-        args.streams,
-        processes=args.clients or processes_for(args.rate, args.streams),
-        connections=args.connections,
-    )
+    processes = args.clients or processes_for(args.rate, args.streams)
+    probing = args.probe and target == "switchyard"
+    # bench.procload's clients start sending 3 s + 0.2 s per process after the call
+    probe = Probe(address, model, 3.5 + 0.2 * processes)
+    with probe if probing else contextlib.nullcontext(probe):
+        run = spread_load(
+            target,
+            address,
+            model,
+            work,
+            args.streams,
+            processes=processes,
+            connections=args.connections,
+        )
     wall = time.monotonic() - started
     tokens = max(1, run["tokens"])
     cpu = {name: systems.cpu_seconds(pids) - before[name] for name, pids in groups.items()}
@@ -67,6 +128,7 @@ def measure(
         "first_errors": run["first_errors"],
         "ttft_p50_ms": round(run["ttft_ms"].get("p50", 0.0), 1),
         "ttft_p99_ms": round(run["ttft_ms"].get("p99", 0.0), 1),
+        "probe_ttft_ms": probe.summary(),
         "cpu_ms_per_1k_tokens": {k: round(v * 1e6 / tokens, 1) for k, v in cpu.items()},
         "cores_busy": {k: round(v / wall, 2) for k, v in cpu.items()},
         "client_processes": run["client_processes"],
@@ -203,6 +265,12 @@ def print_table(data: dict[str, Any]) -> None:
         )
         if r["errors"]:
             print(f"  errors: {r['errors']}: {r['first_errors']}")
+        if r.get("probe_ttft_ms"):
+            p = r["probe_ttft_ms"]
+            print(
+                f"  a new request on its own connection, during the load: TTFT p50 "
+                f"{p['p50']:,.0f} ms, p99 {p['p99']:,.0f} ms ({p['samples']} probes)"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -224,6 +292,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clients", type=int, default=0, help="client processes (default: auto)")
     p.add_argument("--connections", type=int, default=8, help="channels per client process")
     p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="during each control-plane run, time a one-token request on a fresh "
+        "connection every 50 ms (how long a new caller waits behind the load)",
+    )
     p.add_argument(
         "--vllm-streams",
         type=int,

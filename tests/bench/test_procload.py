@@ -37,10 +37,13 @@ def test_spread_load_counts_every_token_of_every_process(tmp_path: Path) -> None
 
 
 def test_the_cpu_proxy_prints_cpu_per_token_for_each_process(tmp_path: Path) -> None:
+    """Also with --probe: new requests on fresh connections are timed during the load (it
+    lasts about 8 s: 200 tokens a stream at 50 tokens/s, twice)."""
     out = tmp_path / "proxy.json"
     argv = [
         sys.executable, "-m", "bench.cpu_proxy", "--streams", "16", "--rate", "800",
-        "--output", "32", "--routers", "1", "--json", str(out),
+        "--output", "200", "--routers", "1", "--listeners", "2", "--probe",
+        "--json", str(out),
     ]  # fmt: skip
     run = subprocess.run(
         argv,
@@ -53,10 +56,12 @@ def test_the_cpu_proxy_prints_cpu_per_token_for_each_process(tmp_path: Path) -> 
     assert lines[0].startswith("| system | tokens/s")
     assert [line.split(" | ")[0] for line in lines[1:]] == [
         "| worker (GenerateStream)",
-        "| control plane, 1 process",
+        "| control plane, 1 process, 2 listeners",
     ]
     data = json.loads(out.read_text())
     cp = data["results"][1]
     assert cp["errors"] == 0
     assert cp["cpu_ms_per_1k_tokens"]["control plane"] > 0
     assert cp["cpu_ms_per_1k_tokens"]["workers"] > 0
+    assert cp["probe_ttft_ms"]["samples"] > 0
+    assert "a new request on its own connection, during the load: TTFT" in run.stdout
