@@ -33,7 +33,7 @@ from typing import Any
 
 from bench import systems
 from bench.loadgen import Workload
-from bench.procload import processes_for, spread_load
+from bench.procload import processes_for, spread_load, start_delay_s
 from control.fleet.supervisor import free_port
 from switchyard_common.tinymodel import ensure_tiny_model
 
@@ -105,8 +105,7 @@ def measure(
     started = time.monotonic()
     processes = args.clients or processes_for(args.rate, args.streams)
     probing = args.probe and target == "switchyard"
-    # bench.procload's clients start sending 3 s + 0.2 s per process after the call
-    probe = Probe(address, model, 3.5 + 0.2 * processes)
+    probe = Probe(address, model, start_delay_s(processes) + 0.5)
     with probe if probing else contextlib.nullcontext(probe):
         run = spread_load(
             target,

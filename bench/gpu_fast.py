@@ -11,8 +11,8 @@ the pace (issue 11). Run by `bench.gpu --phase fast|fast2` (scripts/gpu-bench.sh
 
 Every system gets FAST_SETTINGS; 1000 concurrent requests of 128 prompt and 256 output
 tokens (ignore_eos), WAVES times as many in all, load from CLIENTS processes over
-CONNECTIONS channels each. The
-previous commit's code is a checkout in $SWITCHYARD_BEFORE (skipped if unset).
+CONNECTIONS channels each. The previous commit's code is a checkout in
+$SWITCHYARD_BEFORE (skipped if unset).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from bench.gpu import (
     served_model,
 )
 from bench.gpu import peer as gpu_peer
+from bench.procload import start_delay_s
 from control.fleet.supervisor import free_port
 
 log = structlog.get_logger(__name__)
@@ -62,9 +63,6 @@ WAVES = 2
 CLIENTS = 6
 PROFILE_S = 10.0
 ROUTERS = (2, 4)  # router-only control planes beside the one process
-# when the clients of a run start sending, after it is called (bench.procload's start_at;
-# the first H200 run profiled "the burst" at 0.5 s and caught one sample, before any load)
-LOAD_STARTS_S = 3.0 + 0.2 * CLIENTS + 0.2
 if os.environ.get(SMOKE_ENV):  # a CPU check of the code paths (bench.gpu --smoke)
     FAST_SETTINGS = {**SETTINGS, "max_num_seqs": 64}
     LOAD, CLIENTS, PROFILE_S = 16, 2, 2.0
@@ -214,8 +212,9 @@ class _AsyncLLMBeside:
 def fronts(model: Path, out: Path, before: Path | None) -> dict[str, Any]:
     """AsyncLLM in-process (two passes), then, on one worker started by `switchyard
     serve`, two passes in opposite orders of: the worker called directly, the control
-    plane in one process, router-only control planes of 2 and 4 processes, and the
-    previous commit's control plane, all in front of the same worker. Profiles in the
+    plane in one process, router-only control planes (one process with one gRPC
+    listener; 2 and 4 processes), and the previous commit's control plane, all in front
+    of the same worker. Profiles in the
     first pass; the second pass profiles the control plane's start of 1000 requests.
     Every engine gets 0.42 of the GPU's memory (two share it); the KV cache still holds
     every request."""
@@ -287,8 +286,10 @@ def fronts(model: Path, out: Path, before: Path | None) -> dict[str, Any]:
                     if passed == 1:
                         targets = {}
                         if label == "control plane x1":  # the burst: 1000 requests at once
+                            # from when the clients start sending (the first H200 run
+                            # began at 0.5 s and caught one sample, before any load)
                             burst = {"control-burst": proc.popen.pid}
-                            targets, delay, seconds = burst, LOAD_STARTS_S, 3.0
+                            targets, delay, seconds = burst, start_delay_s(CLIENTS) + 0.2, 3.0
                     with profiled(out, targets, delay, seconds):
                         run = _run(result, label, target, address, cpu, out=out)
                     if len(cp_pids) > 1:

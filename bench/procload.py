@@ -80,6 +80,12 @@ def _client(args: argparse.Namespace) -> None:
     print(json.dumps(asyncio.run(go())), flush=True)
 
 
+def start_delay_s(processes: int) -> float:
+    """How long after `spread_load` is called its clients start sending: time for every
+    client process to import (a profile or a probe of the load waits this long)."""
+    return 3.0 + 0.2 * processes
+
+
 def spread_load(
     target: str,
     address: str,
@@ -93,7 +99,7 @@ def spread_load(
 ) -> dict[str, Any]:
     """`work.requests` requests, `concurrency` at a time, from `processes` processes."""
     procs = max(1, min(processes, concurrency, work.requests))
-    start_at = time.time() + 3.0 + 0.2 * procs  # time for every client to import
+    start_at = time.time() + start_delay_s(procs)
 
     def argv(i: int) -> list[str]:
         share = Workload(

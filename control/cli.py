@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from control.server import serve
+    from control.server import DEFAULT_LISTENERS, serve
 
     try:
         config = load_config(args.config) if args.config else default_config()
@@ -84,14 +84,13 @@ def _serve(args: argparse.Namespace) -> int:
     # asyncio's own loop, not uvloop: this process forks workers and routers, and a
     # child forked by uvloop (fork(), so gRPC's fork handlers run) once died of SIGSEGV
     # before exec.
-    listeners = {"listeners": args.listeners} if args.listeners else {}
     return asyncio.run(
         serve(
             config,
             routers=args.routers,
             router_of=args.router_of,
             ready_file=args.ready_file,
-            **listeners,
+            listeners=args.listeners or DEFAULT_LISTENERS,
         )
     )
 

@@ -65,12 +65,13 @@ class ControlPlane:
         self.ready_file = ready_file
         self.registry = ModelRegistry()
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        listeners = max(1, listeners)
         self.shared_port = routers > 1 or router_of is not None or listeners > 1
         options = [
             ("grpc.so_reuseport", 1 if self.shared_port else 0),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ]
-        self.servers = [grpc.aio.server(options=options) for _ in range(max(1, listeners))]
+        self.servers = [grpc.aio.server(options=options) for _ in range(listeners)]
         self.server = self.servers[0]  # also serves the routers' private Admin port
         self.pool: RouterPool | None = None
         self.forwarder: AdminForwarder | None = None
