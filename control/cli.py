@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -27,6 +28,11 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the control plane and its workers")
     s.add_argument("--config", type=Path, help="YAML config; default: the embedded tiny model")
     s.add_argument("--listen", help=f"host:port to listen on (default {DEFAULT_LISTEN})")
+    s.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (config: metrics.listen)",
+    )
     s.add_argument(
         "--routers",
         type=_positive,
@@ -80,7 +86,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"switchyard: {e}", file=sys.stderr)
         return 2
     if args.listen:
-        config = type(config)(listen=args.listen, models=config.models)
+        config = dataclasses.replace(config, listen=args.listen)
+    if args.metrics_listen:
+        config = dataclasses.replace(config, metrics_listen=args.metrics_listen)
     # asyncio's own loop, not uvloop: this process forks workers and routers, and a
     # child forked by uvloop (fork(), so gRPC's fork handlers run) once died of SIGSEGV
     # before exec.

@@ -2,6 +2,8 @@
 
 ```yaml
 listen: 127.0.0.1:50051
+metrics: {listen: 127.0.0.1:9400}   # Prometheus text at /metrics; off when absent
+tracing: {otlp_endpoint: 127.0.0.1:4317}   # OTLP/gRPC; default: OTEL_EXPORTER_OTLP_*
 models:
   - name: tiny
     engine: vllm            # vllm | trtllm | sim (the C++ worker's simulator)
@@ -120,6 +122,9 @@ class ModelSpec:
 class ServeConfig:
     listen: str = DEFAULT_LISTEN
     models: tuple[ModelSpec, ...] = ()
+    metrics_listen: str | None = None  # host:port of the Prometheus endpoint; None: off
+    otlp_endpoint: str | None = None  # where spans go (OTLP over gRPC); None: OTEL_* or off
+    service_name: str = "switchyard-control"
 
 
 def default_config(listen: str = DEFAULT_LISTEN) -> ServeConfig:
@@ -143,10 +148,27 @@ def load_config(path: Path) -> ServeConfig:
 def parse_config(raw: object) -> ServeConfig:
     if not isinstance(raw, dict):
         raise ConfigError("<root>", "expected a mapping with 'models'")
-    _no_unknown_keys(raw, {"listen", "models"}, "")
+    _no_unknown_keys(raw, {"listen", "models", "metrics", "tracing"}, "")
     listen = raw.get("listen", DEFAULT_LISTEN)
     if not isinstance(listen, str) or not _is_address(listen):
         raise ConfigError("listen", f"expected host:port, got {listen!r}")
+    metrics = _section(raw, "metrics", {"listen"}, "")
+    metrics_listen = metrics.get("listen")
+    if "metrics" in raw and metrics_listen is None:
+        raise ConfigError("metrics.listen", "expected host:port (port 0: any free port)")
+    if metrics_listen is not None and (
+        not isinstance(metrics_listen, str) or not _is_address(metrics_listen, allow_zero=True)
+    ):
+        raise ConfigError("metrics.listen", f"expected host:port, got {metrics_listen!r}")
+    tracing = _section(raw, "tracing", {"otlp_endpoint", "service_name"}, "")
+    otlp = tracing.get("otlp_endpoint")
+    if otlp is not None and (not isinstance(otlp, str) or not _is_endpoint(otlp)):
+        raise ConfigError(
+            "tracing.otlp_endpoint", f"expected host:port or http://host:port, got {otlp!r}"
+        )
+    service_name = tracing.get("service_name", "switchyard-control")
+    if not isinstance(service_name, str) or not service_name:
+        raise ConfigError("tracing.service_name", f"expected a name, got {service_name!r}")
     models_raw = raw.get("models")
     if not isinstance(models_raw, list) or not models_raw:
         raise ConfigError("models", "expected a non-empty list of models")
@@ -158,7 +180,13 @@ def parse_config(raw: object) -> ServeConfig:
             raise ConfigError(f"models[{i}].name", f"duplicate model name {spec.name!r}")
         seen.add(spec.name)
         models.append(spec)
-    return ServeConfig(listen=listen, models=tuple(models))
+    return ServeConfig(
+        listen=listen,
+        models=tuple(models),
+        metrics_listen=metrics_listen,
+        otlp_endpoint=otlp,
+        service_name=service_name,
+    )
 
 
 def parse_model(m: object, key: str) -> ModelSpec:
@@ -302,10 +330,11 @@ def _json_like(v: object) -> bool:
 
 
 def _section(m: dict[str, Any], name: str, allowed: set[str], key: str) -> dict[str, Any]:
+    where = f"{key}.{name}" if key else name
     sec = m.get(name, {})
     if not isinstance(sec, dict):
-        raise ConfigError(f"{key}.{name}", "expected a mapping")
-    _no_unknown_keys(sec, allowed, f"{key}.{name}")
+        raise ConfigError(where, "expected a mapping")
+    _no_unknown_keys(sec, allowed, where)
     return sec
 
 
@@ -333,6 +362,14 @@ def _no_unknown_keys(d: dict[Any, Any], allowed: set[str], key: str) -> None:
             raise ConfigError(where, f"unknown key; expected one of {', '.join(sorted(allowed))}")
 
 
-def _is_address(s: str) -> bool:
+def _is_endpoint(s: str) -> bool:
+    for scheme in ("http://", "https://"):
+        if s.startswith(scheme):
+            return _is_address(s[len(scheme) :].rstrip("/"))
+    return _is_address(s)
+
+
+def _is_address(s: str, allow_zero: bool = False) -> bool:
     host, sep, port = s.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+    lowest = 0 if allow_zero else 1
+    return bool(sep and host and port.isdigit() and lowest <= int(port) < 65536)

@@ -18,7 +18,9 @@ process serves is still refused first ("port in use").
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
+import tempfile
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -27,14 +29,19 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
+from control import tracing
 from control.api.admin import AdminServicer
 from control.api.generation import GenerationServicer
 from control.config import ModelSpec, ServeConfig
+from control.fleet.gauges import FleetCollector
 from control.fleet.lifecycle import ModelLoader, StartupError
 from control.fleet.models import ModelRegistry
 from control.fleet.routers import AdminForwarder, RouterPool
+from control.metrics import scrape_registry
+from control.tracing import endpoint_from_env
 from switchyard_common.ports import bind, check_free
 
 log = structlog.get_logger(__name__)
@@ -76,12 +83,20 @@ class ControlPlane:
         self.pool: RouterPool | None = None
         self.forwarder: AdminForwarder | None = None
         self._background: set[asyncio.Task[None]] = set()
-        self.loader = ModelLoader(self.registry, config.listen.rpartition(":")[0])
+        self.otlp_endpoint = config.otlp_endpoint or endpoint_from_env()
+        self.loader = ModelLoader(
+            self.registry, config.listen.rpartition(":")[0], self.otlp_endpoint
+        )
         self._model_status: dict[str, int] = {}
         self._health_task: asyncio.Task[None] | None = None
         self.port = 0
+        self.metrics_port = 0  # where /metrics is served; 0: not served
+        self._metrics_server: Any = None
+        self._metrics_dir: str | None = None  # the routers' metrics, when they have any
 
     async def start(self) -> None:
+        if tracing.configure(self.otlp_endpoint, self.config.service_name):
+            log.info("exporting traces", otlp_endpoint=self.otlp_endpoint)
         generation = GenerationServicer(self.registry)
         admin: admin_pb2_grpc.AdminServicer
         if self.router_of is not None:
@@ -108,10 +123,19 @@ class ControlPlane:
         for server in self.servers:
             await server.start()
         log.info("listening", address=self.config.listen, health="NOT_SERVING until ready")
+        if self.config.metrics_listen and self.router_of is None:
+            self._serve_metrics(self.config.metrics_listen)
         await asyncio.gather(*(self.loader.load(spec) for spec in self.config.models))
         if self.routers > 1:  # SERVING once every process serves
             listen = f"{self.config.listen.rpartition(':')[0]}:{self.port}"
-            self.pool = RouterPool(self.routers, listen, private, len(self.servers))
+            traced = (
+                {"otlp_endpoint": self.otlp_endpoint, "service_name": self.config.service_name}
+                if self.otlp_endpoint
+                else None
+            )
+            self.pool = RouterPool(
+                self.routers, listen, private, len(self.servers), self._metrics_dir, traced
+            )
             await self.pool.start(self._models())
         await self._update_health()
         self._health_task = asyncio.create_task(self._health_loop(), name="model health")
@@ -136,6 +160,20 @@ class ControlPlane:
         self.port = bind(self.server, self.config.listen)
         for server in self.servers[1:]:
             bind(server, f"{host}:{self.port}")
+
+    def _serve_metrics(self, listen: str) -> None:
+        """Prometheus text at /metrics on its own port, from a thread of its own: this
+        process's metrics, its routers' and the per-worker gauges."""
+        if self.routers > 1:
+            self._metrics_dir = tempfile.mkdtemp(prefix="switchyard-metrics-")
+        registry = scrape_registry([FleetCollector(self.registry)], self._metrics_dir)
+        host, _, port = listen.rpartition(":")
+        try:
+            self._metrics_server, _ = start_http_server(int(port), host.strip("[]"), registry)
+        except OSError as e:
+            raise OSError(f"metrics.listen {listen}: cannot listen: {e.strerror or e}") from e
+        self.metrics_port = self._metrics_server.server_port
+        log.info("metrics", url=f"http://{host}:{self.metrics_port}/metrics")
 
     def _models(self) -> list[tuple[ModelSpec, list[str]]]:
         return [(e.spec, [w.address for w in e.workers]) for e in self.registry.all()]
@@ -192,6 +230,12 @@ class ControlPlane:
         await self.health.enter_graceful_shutdown()
         await asyncio.gather(*(server.stop(grace) for server in self.servers))
         await self.loader.stop_all()
+        if self._metrics_server is not None:
+            await asyncio.to_thread(self._metrics_server.shutdown)
+            self._metrics_server.server_close()
+        if self._metrics_dir is not None:
+            shutil.rmtree(self._metrics_dir, ignore_errors=True)
+        await asyncio.to_thread(tracing.shutdown)  # what is buffered goes out
         log.info("stopped")
 
 

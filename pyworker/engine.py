@@ -162,6 +162,16 @@ class Engine:
     def errored(self) -> bool:
         return bool(getattr(self.llm, "errored", False))
 
+    @property
+    def traces(self) -> bool:
+        """Whether the engine exports spans (vLLM's `otlp_traces_endpoint`): only then
+        is a request's trace context worth handing it (vLLM warns and drops it else)."""
+        config = getattr(getattr(self.llm, "vllm_config", None), "observability_config", None)
+        return bool(getattr(config, "otlp_traces_endpoint", None))
+
+    def trace_headers(self, headers: Mapping[str, str] | None) -> Mapping[str, str] | None:
+        return headers if headers and self.traces else None
+
 
 def prepare_environment(engine_args: Mapping[str, Any] | None = None) -> None:
     """Set vLLM's environment defaults, then import vLLM.

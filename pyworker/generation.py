@@ -28,7 +28,7 @@ from pyworker.errors import (
     WorkerError,
 )
 from pyworker.load import InFlight, TokenRate
-from pyworker.request import ParsedGenerate, parse_generate
+from pyworker.request import ParsedGenerate, log_ids, parse_generate
 
 log = structlog.get_logger(__name__)
 
@@ -113,14 +113,14 @@ class Generations:
     ) -> None:
         """Run one admitted request to its end: a Final, or an error before the first
         token, through `sink`. Cancellation aborts the engine request."""
-        request_id = state.request_id
+        ids = log_ids(state.request_id, parsed)
         try:
             await self._stream(parsed, state, sink, arrived, deadline)
         except TimeoutError:
             if state.finished:  # the deadline fell just after the final went out
                 return
             # The engine request is aborted; the caller, still listening, hears TIME_LIMIT.
-            log.info("generate deadline expired", request_id=request_id)
+            log.info("generate deadline expired", **ids)
             await self._guard_abort(state)
             final = worker_pb2.Final(
                 finish_reason=common_pb2.FINISH_REASON_TIME_LIMIT,
@@ -130,13 +130,13 @@ class Generations:
             )
             await sink.time_limit(final)
         except WorkerError as exc:
-            log.warning("generate failed", request_id=request_id, error=str(exc))
+            log.warning("generate failed", **ids, error=str(exc))
             await self._guard_abort(state)
             await sink.error(exc)
         except StreamClosed:
-            log.info("generate stream closed by the client", request_id=request_id)
+            log.info("generate stream closed by the client", **ids)
         except Exception as exc:  # a fault outside the relay: the request still ends
-            log.error("generate failed unexpectedly", request_id=request_id, exc_info=exc)
+            log.error("generate failed unexpectedly", **ids, exc_info=exc)
             ended = state.finished
             await self._guard_abort(state)
             if not ended:
@@ -191,6 +191,7 @@ class Generations:
             parsed.sampling_params,
             state.request_id,
             priority=parsed.priority,
+            trace_headers=self._engine.trace_headers(parsed.trace_headers),
         )
         try:
             # After the finished output the generator ends by itself; leaving the loop

@@ -27,7 +27,7 @@ from switchyard.worker.v1 import worker_pb2
 from pyworker.errors import EngineFailure, WorkerError
 from pyworker.generation import Generations, describe, logprobs, queue_ms, refusal
 from pyworker.load import InFlight
-from pyworker.request import ParsedGenerate
+from pyworker.request import ParsedGenerate, log_ids
 
 log = structlog.get_logger(__name__)
 
@@ -109,6 +109,7 @@ class StreamedRequest:
                 engine.make_prompt(self._parsed.prompt_token_ids),
                 self._parsed.sampling_params,
                 priority=self._parsed.priority,
+                trace_headers=engine.trace_headers(self._parsed.trace_headers),
             )
         except BaseException as exc:
             # Whatever part of the request vLLM took, the abort that follows covers.
@@ -158,7 +159,11 @@ class StreamedRequest:
             # This runs inside vLLM's output handler: nothing may escape, or vLLM would
             # fail every request on the engine.
             try:
-                log.error("generate failed unexpectedly", request_id=self.request_id, exc_info=exc)
+                log.error(
+                    "generate failed unexpectedly",
+                    **log_ids(self.request_id, self._parsed),
+                    exc_info=exc,
+                )
                 if not self._over:
                     self._fail(f"worker error: {exc!r}")
                 elif not self.done.done():
@@ -210,7 +215,7 @@ class StreamedRequest:
         self._timer = None
         if self._over:
             return
-        log.info("generate deadline expired", request_id=self.request_id)
+        log.info("generate deadline expired", **log_ids(self.request_id, self._parsed))
         state = self._state
         final = worker_pb2.Final(
             finish_reason=common_pb2.FINISH_REASON_TIME_LIMIT,
@@ -229,7 +234,7 @@ class StreamedRequest:
             self._abort_then_release()
             return
         error = refusal(exc)
-        log.warning("generate failed", request_id=self.request_id, error=str(error))
+        log.warning("generate failed", **log_ids(self.request_id, self._parsed), error=str(error))
         self._end()
         try:
             self._sink.error(error)
@@ -242,7 +247,9 @@ class StreamedRequest:
             self._refused(exc)
             return
         message = describe(exc)
-        log.error("engine failed mid-stream", request_id=self.request_id, error=message)
+        log.error(
+            "engine failed mid-stream", **log_ids(self.request_id, self._parsed), error=message
+        )
         self._fail(f"engine error: {message}")
 
     def _fail(self, message: str) -> None:
@@ -284,7 +291,9 @@ class StreamedRequest:
         try:
             await self._generations.engine.llm.abort(self.request_id)
         except Exception:
-            log.warning("engine abort failed", request_id=self.request_id, exc_info=True)
+            log.warning(
+                "engine abort failed", **log_ids(self.request_id, self._parsed), exc_info=True
+            )
 
     def _abort_then_release(self) -> None:
         """The id is released after the abort, so that a new request with the same id can

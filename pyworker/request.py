@@ -34,6 +34,34 @@ class ParsedGenerate:
     logprobs: int | None
     priority: int
     stop_token_ids: frozenset[int]
+    # The caller's W3C trace context ({"traceparent": ..., "tracestate": ...}), for the
+    # engine's spans and this worker's log lines; None when it sent none.
+    trace_headers: dict[str, str] | None = None
+
+    @property
+    def trace_id(self) -> str | None:
+        """The trace id of `traceparent` (version-traceid-spanid-flags)."""
+        if not self.trace_headers:
+            return None
+        parts = self.trace_headers.get("traceparent", "").split("-")
+        return parts[1] if len(parts) == 4 else None
+
+
+def log_ids(request_id: str, parsed: ParsedGenerate) -> dict[str, str]:
+    """What a request's log lines carry: its id, and the caller's trace id if any."""
+    trace_id = parsed.trace_id
+    if trace_id is None:
+        return {"request_id": request_id}
+    return {"request_id": request_id, "trace_id": trace_id}
+
+
+def _trace_headers(request: Any) -> dict[str, str] | None:
+    if not request.traceparent:
+        return None
+    headers = {"traceparent": str(request.traceparent)}
+    if request.tracestate:
+        headers["tracestate"] = str(request.tracestate)
+    return headers
 
 
 def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
@@ -80,6 +108,7 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
         logprobs=logprobs,
         priority=int(request.priority) if info.priority_scheduling else 0,
         stop_token_ids=frozenset(stop_token_ids),
+        trace_headers=_trace_headers(request),
     )
 
 

@@ -11,20 +11,37 @@ say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 
 # 1. System packages: a C++ toolchain, CMake and Ninja, and for the C++ worker gRPC,
 #    protobuf, GoogleTest and nlohmann-json (the engine config.json parser) from Debian.
+#    With --for-tests (scripts/test), also the servers the tests run for real: Prometheus.
 apt_packages=(build-essential cmake ninja-build git pkg-config libgrpc++-dev libprotobuf-dev
   protobuf-compiler protobuf-compiler-grpc libgtest-dev nlohmann-json3-dev)
+test_apt_packages=(prometheus)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if [ ${#missing[@]} -gt 0 ]; then
+missing_test=()
+if [ "${1:-}" = "--for-tests" ]; then
+  for p in "${test_apt_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" \
+      || missing_test+=("$p")
+  done
+fi
+if [ ${#missing[@]} -gt 0 ] || [ ${#missing_test[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ] && ! command -v sudo >/dev/null; then
-    say "missing apt packages: ${missing[*]} (run as root or install them)"; exit 1
+    say "missing apt packages: ${missing[*]} ${missing_test[*]} (run as root or install them)"
+    exit 1
   fi
   sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
-  say "installing apt packages: ${missing[*]}"
+  say "installing apt packages: ${missing[*]} ${missing_test[*]}"
   $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  if [ ${#missing[@]} -gt 0 ]; then
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+  if [ ${#missing_test[@]} -gt 0 ]; then
+    # Only the server binaries: no exporters or web assets it would recommend.
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+      "${missing_test[@]}" >/dev/null
+  fi
 fi
 
 # 2. The virtual environment.

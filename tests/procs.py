@@ -3,6 +3,7 @@ The same primitives the benchmark uses (bench/systems.py)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from bench.systems import Proc, start, wait_grpc_serving
 
 STARTUP_TIMEOUT_S = 300.0
 
-__all__ = ["Proc", "start_process", "wait_serving"]
+__all__ = ["Proc", "start_process", "wait_serving", "worker_pid"]
 
 
 def wait_serving(proc: Proc, service: str = "", timeout: float = STARTUP_TIMEOUT_S) -> None:
@@ -40,3 +41,18 @@ def serve_startup_failure(config: Path, timeout: float = 280.0) -> str:
     failed = [line for line in out.stderr.splitlines() if "startup failed" in line]
     assert failed, out.stderr[-3000:]
     return failed[-1]
+
+
+def worker_pid(address: str) -> int:
+    """The pid of the local C++ worker listening on `address`."""
+    port = address.rpartition(":")[2]
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].endswith(b"switchyard-cpp-worker") and port.encode() in cmd:
+            return int(pid)
+    raise LookupError(f"no worker process for {address}")

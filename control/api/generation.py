@@ -8,6 +8,7 @@ traceback and the client hears INTERNAL with the request id, never grpc's UNKNOW
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -16,13 +17,16 @@ from typing import Any, NoReturn
 
 import grpc
 import structlog
+from opentelemetry.trace import StatusCode
 from switchyard.v1 import generation_pb2, generation_pb2_grpc
 
-from control.api.status import abort_rpc
+from control.api.status import abort_rpc, status_code
 from control.errors import Internal, InvalidArgument, SwitchyardError
-from control.fleet.models import ModelRegistry
+from control.fleet.models import ModelEntry, ModelRegistry
+from control.metrics import request_ended
 from control.request.generation import encode_prompt, run_generation
 from control.text.params import MAX_PROMPT_CHARS, parse_request
+from control.tracing import Span, SpanKind, extract, trace_id_of, tracer, with_span
 
 log = structlog.get_logger(__name__)
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -47,34 +51,89 @@ def _request_id(request: Any) -> str:
     return str(request.request_id)[:128]
 
 
+def _server_span(context: Context, rpc: str, request_id: str, model: str) -> Span:
+    """The RPC's span: a child of the caller's `traceparent`, if it sent one."""
+    return tracer.start_span(
+        f"switchyard.{rpc}",
+        context=extract(context.invocation_metadata()),
+        kind=SpanKind.SERVER,
+        attributes={
+            "rpc.system": "grpc",
+            "rpc.service": "switchyard.v1.Generation",
+            "rpc.method": rpc,
+            "switchyard.request_id": request_id,
+            "switchyard.model": model,
+        },
+    )
+
+
+def _end_span(span: Span, code: str) -> None:
+    span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[code].value[0])
+    if code != "OK":
+        span.set_status(StatusCode.ERROR, code)
+    span.end()
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignore[misc]
     def __init__(self, registry: ModelRegistry) -> None:
         self._registry = registry
 
     async def _responses(
-        self, request: generation_pb2.GenerateRequest, context: Context
+        self, request: generation_pb2.GenerateRequest, context: Context, rpc: str
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         """One generation's messages, for Generate (streamed) and Complete (aggregated);
-        its errors end the RPC with their status."""
+        its errors end the RPC with their status. Each RPC is counted once, by its
+        status code (switchyard_requests_total)."""
         received = time.perf_counter()
         request_id = _request_id(request)
-        with structlog.contextvars.bound_contextvars(request_id=request_id, model=request.model):
+        entry: ModelEntry | None = None
+        code, finished = "OK", False
+        span = _server_span(context, rpc, request_id, request.model)
+        ids: dict[str, str] = {"request_id": request_id, "model": request.model}
+        trace_id = trace_id_of(span)
+        if trace_id is not None:
+            ids["trace_id"] = trace_id
+        with structlog.contextvars.bound_contextvars(**ids):
             try:
                 params = parse_request(request)
                 entry = self._registry.get(params.model)
-                gen = run_generation(entry, params, received, context.time_remaining())
+                gen = run_generation(
+                    entry, params, received, context.time_remaining(), with_span(span)
+                )
                 async with contextlib.aclosing(gen):
                     async for resp in gen:
+                        finished = finished or resp.HasField("final")
                         yield resp
             except SwitchyardError as e:
+                code = status_code(e).name
                 await _abort(context, e)
+            except (asyncio.CancelledError, GeneratorExit):
+                # The client went away (or its deadline passed) before the Final.
+                if not finished:
+                    code = "CANCELLED"
+                    if entry is not None:
+                        entry.metrics.cancelled("client")
+                raise
             except Exception as e:
+                code = "INTERNAL"
                 await _fail(context, e, request_id)
+            finally:
+                self._count(entry, request.model, rpc, code)
+                _end_span(span, code)
+
+    def _count(self, entry: ModelEntry | None, model: str, rpc: str, code: str) -> None:
+        if entry is None:  # a name the client made up must not become a series
+            entry = self._registry.find(model)
+        if entry is None:
+            request_ended("", rpc, code)
+        else:
+            entry.metrics.request_ended(rpc, code)
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        async with contextlib.aclosing(self._responses(request, context)) as responses:
+        responses = self._responses(request, context, "Generate")
+        async with contextlib.aclosing(responses):
             async for resp in responses:
                 yield resp
 
@@ -83,7 +142,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
     ) -> generation_pb2.CompleteResponse:
         out = generation_pb2.CompleteResponse()
         texts: list[str] = []
-        async with contextlib.aclosing(self._responses(request, context)) as responses:
+        responses = self._responses(request, context, "Complete")
+        async with contextlib.aclosing(responses):
             async for resp in responses:
                 if resp.HasField("chunk"):
                     texts.append(resp.chunk.text)
@@ -97,6 +157,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
     async def Tokenize(
         self, request: generation_pb2.TokenizeRequest, context: Context
     ) -> generation_pb2.TokenizeResponse:
+        code = "OK"
         with structlog.contextvars.bound_contextvars(model=request.model):
             try:
                 entry = self._registry.get(request.model)
@@ -112,9 +173,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
                     token_ids=ids, tokens=entry.tokenizer.tokens(ids)
                 )
             except SwitchyardError as e:
+                code = status_code(e).name
                 await _abort(context, e)
             except Exception as e:
+                code = "INTERNAL"
                 await _fail(context, e, "tokenize")
+            finally:
+                self._count(None, request.model, "Tokenize", code)
 
     async def ListModels(
         self, request: generation_pb2.ListModelsRequest, context: Context

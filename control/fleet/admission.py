@@ -13,6 +13,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from control.errors import Overloaded
+from control.metrics import ModelMetrics
 
 
 @dataclass(order=True)
@@ -23,13 +24,32 @@ class _Waiter:
 
 
 class Admission:
-    def __init__(self, model: str, max_concurrency: int, max_queue: int) -> None:
+    def __init__(
+        self,
+        model: str,
+        max_concurrency: int,
+        max_queue: int,
+        metrics: ModelMetrics | None = None,
+    ) -> None:
         self.model = model
         self.max_concurrency = max_concurrency
         self.max_queue = max_queue
-        self.running = 0
+        self.metrics = metrics or ModelMetrics(model)
+        self._running = 0
         self._queue: list[_Waiter] = []
         self._seq = itertools.count()
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @running.setter
+    def running(self, value: int) -> None:
+        self._running = value
+        self.metrics.admission_running.set(value)
+
+    def _queue_changed(self) -> None:
+        self.metrics.admission_queue.set(len(self._queue))
 
     @property
     def queued(self) -> int:
@@ -46,6 +66,7 @@ class Admission:
             self.running += 1
             return
         if len(self._queue) >= self.max_queue:
+            self.metrics.rejections.inc()
             raise Overloaded(
                 f"model {self.model!r} is overloaded: {self.running} running, "
                 f"{len(self._queue)} queued (limits {self.max_concurrency} and {self.max_queue})",
@@ -53,6 +74,7 @@ class Admission:
             )
         waiter = _Waiter(-priority, next(self._seq), asyncio.get_running_loop().create_future())
         heapq.heappush(self._queue, waiter)
+        self._queue_changed()
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
         except BaseException:
@@ -62,11 +84,13 @@ class Admission:
                 waiter.future.cancel()
                 self._queue.remove(waiter)
                 heapq.heapify(self._queue)
+                self._queue_changed()
             raise
 
     def release(self) -> None:
         while self._queue:
             waiter = heapq.heappop(self._queue)
+            self._queue_changed()
             if not waiter.future.done():
                 waiter.future.set_result(None)  # the slot passes on; running stays
                 return

@@ -73,8 +73,13 @@ async def resolve(hostport: str) -> list[str]:
 class ModelLoader:
     """Starts, joins, drains and stops the workers of models in a registry."""
 
-    def __init__(self, registry: ModelRegistry, listen_host: str) -> None:
+    def __init__(
+        self, registry: ModelRegistry, listen_host: str, otlp_endpoint: str | None = None
+    ) -> None:
         self.registry = registry
+        # Where the vLLM workers it starts export their engine's spans (unless the
+        # model's engine_args name one): the control plane's own trace endpoint.
+        self.otlp_endpoint = otlp_endpoint
         host = listen_host or "127.0.0.1"
         self.worker_host = "127.0.0.1" if host in ("0.0.0.0", "[::]", "::") else host
         self.loading = registry.loading
@@ -102,7 +107,9 @@ class ModelLoader:
                     port = free_port(self.worker_host)
                     name = f"{spec.name}-{i}"
                     term = termination_log_path(name, port)
-                    cmd = worker_command(spec, model_path, port, tokenizer, term)
+                    cmd = worker_command(
+                        spec, model_path, port, tokenizer, term, self.otlp_endpoint
+                    )
                     lw = LocalWorker(name, cmd, f"{self.worker_host}:{port}", termination_log=term)
                     await lw.start()
                     local.append(lw)

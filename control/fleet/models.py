@@ -10,6 +10,7 @@ from control.config import ModelSpec
 from control.errors import ModelNotFound, NoHealthyWorker
 from control.fleet.admission import Admission
 from control.fleet.supervisor import LocalWorker
+from control.metrics import ModelMetrics
 from control.routing import Policy, RouteRequest, make_policy
 from control.text.params import ModelLimits
 from control.text.tokenizer import Tokenizer
@@ -24,12 +25,16 @@ class ModelEntry:
     workers: list[WorkerClient] = field(default_factory=list)
     policy: Policy = field(init=False)
     admission: Admission = field(init=False)
+    metrics: ModelMetrics = field(init=False)
     accepting: bool = True  # False while the model is being unloaded
     local: list[LocalWorker] = field(default_factory=list)  # processes started for it
 
     def __post_init__(self) -> None:
         self.policy = make_policy(self.spec.routing)
-        self.admission = Admission(self.spec.name, self.spec.max_concurrency, self.spec.max_queue)
+        self.metrics = ModelMetrics(self.spec.name)
+        self.admission = Admission(
+            self.spec.name, self.spec.max_concurrency, self.spec.max_queue, self.metrics
+        )
 
     @property
     def name(self) -> str:

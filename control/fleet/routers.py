@@ -31,6 +31,7 @@ from switchyard.v1 import admin_pb2, admin_pb2_grpc
 from control.config import ModelSpec
 from control.fleet.models import ModelRegistry
 from control.fleet.supervisor import LocalWorker
+from control.metrics import mark_process_dead, router_env
 
 log = structlog.get_logger(__name__)
 
@@ -71,11 +72,22 @@ def router_config(listen: str, models: Sequence[tuple[ModelSpec, Sequence[str]]]
 class RouterPool:
     """The supervisor's extra router processes."""
 
-    def __init__(self, count: int, listen: str, supervisor: str, listeners: int = 1) -> None:
+    def __init__(
+        self,
+        count: int,
+        listen: str,
+        supervisor: str,
+        listeners: int = 1,
+        metrics_dir: str | None = None,
+        tracing: dict[str, str] | None = None,
+    ) -> None:
         self.count = count
         self.listen = listen
         self.listeners = listeners  # each router's, as the supervisor's
         self.supervisor = supervisor  # the supervisor's private address, for Admin
+        # Where the routers write their metrics for the supervisor's endpoint, if it has one.
+        self.metrics_dir = metrics_dir
+        self.tracing = tracing  # the routers export spans where the supervisor does
         self._dir = Path(tempfile.mkdtemp(prefix="switchyard-routers-"))
         self._routers: list[LocalWorker] = []
         self._generation = 0
@@ -90,17 +102,27 @@ class RouterPool:
         async with self._lock:
             old = self._routers
             self._routers = await self._spawn(models)
-            await asyncio.gather(*(r.stop() for r in old), return_exceptions=True)
+            await self._stop(old)
 
     async def stop(self) -> None:
         async with self._lock:
-            await asyncio.gather(*(r.stop() for r in self._routers), return_exceptions=True)
+            await self._stop(self._routers)
             self._routers = []
+
+    async def _stop(self, routers: list[LocalWorker]) -> None:
+        await asyncio.gather(*(r.stop() for r in routers), return_exceptions=True)
+        if self.metrics_dir is not None:  # their gauges leave the sums; counters stay
+            for router in routers:
+                if router.proc is not None:
+                    mark_process_dead(router.proc.pid, self.metrics_dir)  # type: ignore[no-untyped-call]
 
     async def _spawn(self, models: Sequence[tuple[ModelSpec, Sequence[str]]]) -> list[LocalWorker]:
         self._generation += 1
         config = self._dir / f"routers-{self._generation}.yaml"
-        config.write_text(yaml.safe_dump(router_config(self.listen, models), sort_keys=False))
+        raw = router_config(self.listen, models)
+        if self.tracing:
+            raw["tracing"] = self.tracing
+        config.write_text(yaml.safe_dump(raw, sort_keys=False))
         routers = []
         ready_files = []
         for i in range(1, self.count):
@@ -110,7 +132,8 @@ class RouterPool:
                 "--router-of", self.supervisor, "--ready-file", str(ready),
                 "--listeners", str(self.listeners),
             ]  # fmt: skip
-            router = LocalWorker(f"router-{i}", cmd, self.listen)
+            env = router_env(self.metrics_dir) if self.metrics_dir is not None else None
+            router = LocalWorker(f"router-{i}", cmd, self.listen, env=env)
             await router.start()
             routers.append(router)
             ready_files.append(ready)

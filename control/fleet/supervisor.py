@@ -13,7 +13,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import structlog
@@ -57,6 +57,7 @@ def worker_command(
     port: int,
     tokenizer: Tokenizer | None = None,
     termination_log: Path | None = None,
+    otlp_endpoint: str | None = None,
 ) -> list[str]:
     """The command line of one local worker for `spec`.
 
@@ -71,6 +72,8 @@ def worker_command(
     """
     args = dict(spec.engine_args)
     if spec.engine == "vllm":
+        if otlp_endpoint is not None:  # vLLM's own spans continue the control plane's
+            args.setdefault("otlp_traces_endpoint", otlp_endpoint)
         cmd = [sys.executable, "-m", "pyworker", "--model", model_path, "--port", str(port)]
         if args:
             cmd += ["--engine-args", json.dumps(args, sort_keys=True)]
@@ -108,8 +111,10 @@ class LocalWorker:
         backoff_s: Sequence[float] = RESTART_BACKOFF_S,
         stable_s: float = 60.0,
         termination_log: Path | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.name = name
+        self.env = dict(env) if env is not None else None  # None: this process's
         self.termination_log = termination_log  # where the worker writes why it could not start
         self.cmd = list(cmd)
         self.address = address
@@ -138,7 +143,7 @@ class LocalWorker:
         self._started_at = time.monotonic()
         if self.termination_log is not None:
             self.termination_log.unlink(missing_ok=True)
-        self.proc = await asyncio.create_subprocess_exec(*self.cmd)
+        self.proc = await asyncio.create_subprocess_exec(*self.cmd, env=self.env)
         if self._monitor is None:
             self._monitor = asyncio.create_task(self._watch(), name=f"watch {self.name}")
 

@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 
 import structlog
+from opentelemetry.trace import StatusCode
 from switchyard.v1 import common_pb2, generation_pb2
 from switchyard.worker.v1 import worker_pb2
 
@@ -37,6 +38,7 @@ from control.routing import RouteRequest
 from control.text.params import GenerationParams
 from control.text.stops import StopMatcher
 from control.text.tokenizer import Tokenizer
+from control.tracing import Context, SpanKind, headers_of, tracer
 from control.workers.call import FailureKind, WorkerCallFailed
 from control.workers.client import WorkerClient
 from switchyard_common.deadlines import budget
@@ -44,6 +46,11 @@ from switchyard_common.deadlines import budget
 log = structlog.get_logger(__name__)
 
 FinishReason = common_pb2.FinishReason
+# FINISH_REASON_STOP -> "stop": the label of switchyard_request_success, as vLLM's.
+_REASON_LABELS = {
+    v.number: v.name.removeprefix("FINISH_REASON_").lower()
+    for v in common_pb2.DESCRIPTOR.enum_types_by_name["FinishReason"].values
+}
 PROMPT_CONTEXT_TOKENS = 5
 # Prompts longer than this are tokenized in a thread, off the event loop.
 TOKENIZE_INLINE_MAX_CHARS = 4096
@@ -104,6 +111,7 @@ async def run_generation(
     params: GenerationParams,
     received_at: float,
     time_remaining: float | None,
+    trace: Context | None = None,
 ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
     deadline = None if time_remaining is None else time.monotonic() + time_remaining
     if params.prompt_ids is not None:
@@ -116,18 +124,31 @@ async def run_generation(
     final = generation_pb2.Final(request_id=params.request_id, engine=entry.info.label)
     final.usage.prompt_tokens = len(prompt_ids)
     wait = _remaining(deadline)
+    span = tracer.start_span(
+        "switchyard.admission",
+        context=trace,
+        attributes={"switchyard.queue_depth": entry.admission.queued},
+    )
     try:
         if wait is not None and wait <= 0:
             raise TimeoutError
         await entry.admission.acquire(params.priority, wait)
     except TimeoutError:
+        span.set_attribute("switchyard.outcome", "time_limit")
         final.finish_reason = FinishReason.FINISH_REASON_TIME_LIMIT
         final.timing.queue_ms = (time.perf_counter() - received_at) * 1000.0
         final.timing.total_ms = final.timing.queue_ms
+        _record_final(entry, final)
         yield generation_pb2.GenerateResponse(final=final)
         return
+    except BaseException as e:  # overloaded, or the caller went away while queued
+        span.set_attribute("switchyard.outcome", type(e).__name__)
+        raise
+    finally:
+        span.end()
     try:
-        run = _Run(entry, params, prompt_ids, max_tokens, deadline, final)
+        entry.metrics.prompt_tokens.inc(len(prompt_ids))
+        run = _Run(entry, params, prompt_ids, max_tokens, deadline, final, trace)
         final.timing.queue_ms = (time.perf_counter() - received_at) * 1000.0
         async with contextlib.aclosing(run.stream()) as stream:
             async for msg in stream:
@@ -136,9 +157,27 @@ async def run_generation(
         if run.first_token_at is not None:
             final.timing.time_to_first_token_ms = (run.first_token_at - received_at) * 1000.0
         final.timing.total_ms = (time.perf_counter() - received_at) * 1000.0
+        _record_final(entry, final)
         yield generation_pb2.GenerateResponse(final=final)
     finally:
         entry.admission.release()
+
+
+def _record_final(entry: ModelEntry, final: generation_pb2.Final) -> None:
+    """The metrics of a generation that ended with a Final."""
+    m = entry.metrics
+    timing = final.timing
+    m.finished(_REASON_LABELS.get(final.finish_reason, "unspecified"))
+    m.queue_time.observe(timing.queue_ms / 1000.0)
+    m.e2e.observe(timing.total_ms / 1000.0)
+    if final.usage.completion_tokens:
+        m.ttft.observe(timing.time_to_first_token_ms / 1000.0)
+    if final.usage.cached_prompt_tokens:
+        m.cached_prompt_tokens.inc(final.usage.cached_prompt_tokens)
+    if final.finish_reason == FinishReason.FINISH_REASON_TIME_LIMIT:
+        m.cancelled("deadline")
+    elif final.stop_string:
+        m.cancelled("stop_string")
 
 
 class _Run:
@@ -152,8 +191,10 @@ class _Run:
         max_tokens: int,
         deadline: float | None,
         final: generation_pb2.Final,
+        trace: Context | None = None,
     ) -> None:
         self.entry = entry
+        self.trace = trace
         self.params = params
         self.prompt_ids = prompt_ids
         self.max_tokens = max_tokens
@@ -164,6 +205,7 @@ class _Run:
         self.engine_errors = 0
         self.failover = DEFAULT_POLICY
         self.first_token_at: float | None = None
+        self.last_token_at = 0.0
         self.worker_queue_ms = 0.0
         self.detok = entry.tokenizer.detokenizer(
             prompt_ids[-PROMPT_CONTEXT_TOKENS:], params.skip_special_tokens
@@ -187,9 +229,17 @@ class _Run:
                 max_tokens=remaining_tokens,
                 kv_block_size=self.entry.info.kv_block_size or 16,
             )
+            span = tracer.start_span(
+                "switchyard.route",
+                context=self.trace,
+                attributes={"switchyard.policy": self.entry.spec.routing},
+            )
             try:
                 worker = self.entry.pick_worker(route, exclude=tried)
+                span.set_attribute("switchyard.worker", worker.address)
             except NoHealthyWorker as e:
+                span.set_attribute("switchyard.outcome", "no_healthy_worker")
+                span.end()
                 if self.generated:
                     raise NoHealthyWorker(
                         f"{e}; the stream stopped after {len(self.generated)} tokens"
@@ -203,6 +253,8 @@ class _Run:
                 if last_failure is not None and last_failure.kind is FailureKind.ENGINE:
                     raise WorkerFailed(last_failure.worker, f"{last_failure.message}; {e}") from e
                 raise
+            span.end()
+            structlog.contextvars.bind_contextvars(worker=worker.address)
             self.final.worker = worker.address
             failed: WorkerCallFailed | None = None
             async with contextlib.aclosing(self._attempt(worker, remaining_tokens)) as attempt:
@@ -267,6 +319,21 @@ class _Run:
             yield generation_pb2.GenerateResponse(final=self.final)
             return
         want_logprobs = p.logprobs is not None
+        metrics = self.entry.metrics
+        span = tracer.start_span(
+            "switchyard.worker_attempt",
+            context=self.trace,
+            kind=SpanKind.CLIENT,
+            attributes={
+                "switchyard.worker": worker.address,
+                "switchyard.attempt": self.attempts,
+                "switchyard.resumed_after_tokens": len(self.generated),
+            },
+        )
+        headers = headers_of(span)
+        wreq.traceparent = headers.get("traceparent", "")
+        wreq.tracestate = headers.get("tracestate", "")
+        generated_before = len(self.generated)
         call = worker.generate(wreq, timeout, cost_tokens=len(context) + remaining_tokens)
         try:
             async with call as events:
@@ -278,8 +345,12 @@ class _Run:
                     wchunk = resp.chunk
                     ids = list(wchunk.token_ids)
                     self.generated.extend(ids)
+                    now = time.perf_counter()
                     if self.first_token_at is None:
-                        self.first_token_at = time.perf_counter()
+                        self.first_token_at = now
+                    elif ids:
+                        metrics.itl.observe((now - self.last_token_at) / len(ids))
+                    self.last_token_at = now
                     text = self.detok.push(ids)
                     if self.matcher is not None:
                         text = self._match(text)
@@ -291,12 +362,14 @@ class _Run:
                     chunk.token_ids.extend(ids)
                     if want_logprobs:
                         self._copy_logprobs(chunk, wchunk.logprobs[: len(ids)])
+                    metrics.generation_tokens.inc(len(ids))
                     yield out
                     if self.final.stop_string:
                         call.cancel()  # the worker aborts the engine request
                         yield generation_pb2.GenerateResponse(final=self.final)
                         return
         except WorkerCallFailed as failure:
+            span.set_status(StatusCode.ERROR, f"{failure.kind.value}: {failure.message}")
             step = self.failover.next_step(failure, self.engine_errors)
             if step is Next.TIME_LIMIT:
                 self.final.finish_reason = FinishReason.FINISH_REASON_TIME_LIMIT
@@ -311,6 +384,10 @@ class _Run:
                 return
             if failure.kind is FailureKind.ENGINE:
                 self.engine_errors += 1
+            span.add_event("failover", {"switchyard.kind": failure.kind.value})
+            metrics.failover(failure.kind.value, resumed=bool(self.generated))
+            if failure.kind is FailureKind.EJECTED:  # the hung worker's request is aborted
+                metrics.cancelled("failover")
             log.warning(
                 "worker failed; failing over",
                 worker=worker.address,
@@ -320,6 +397,9 @@ class _Run:
                 request_id=p.request_id,
             )
             yield failure
+        finally:
+            span.set_attribute("switchyard.tokens", len(self.generated) - generated_before)
+            span.end()
 
     def _cut_at_stop(self, ids: list[int]) -> list[int]:
         """The chunk's ids up to the token that completed the stop string; later ones were

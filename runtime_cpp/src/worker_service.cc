@@ -424,6 +424,9 @@ void WorkerService::fill_load(wv1::LoadReport* report) {
       rate_tokens_ = s->generated_tokens_total;
     }
     report->set_generation_tokens_per_s(rate_);
+  } else if (info_.kv_blocks_total > 0) {
+    // No engine step yet: every block is free (not "0 free", which reads as full).
+    report->set_kv_blocks_free(static_cast<std::uint32_t>(info_.kv_blocks_total));
   }
   try {
     report->set_gpu_memory_used_bytes(executor_.gpu_memory().used_bytes);

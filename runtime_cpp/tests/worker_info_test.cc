@@ -33,6 +33,10 @@ TEST_F(WorkerServiceTest, StreamLoadReportsKvBlocksUnderLoad) {
   c.kv_blocks = 1000;
   c.tokens_per_block = 16;
   start(c);
+  wv1::LoadReport idle;
+  service_->fill_load(&idle);  // before any engine step: all free, not "0 free"
+  EXPECT_EQ(idle.kv_blocks_used(), 0u);
+  EXPECT_EQ(idle.kv_blocks_free(), 1000u);
   std::vector<std::unique_ptr<grpc::ClientContext>> ctxs;
   std::vector<std::unique_ptr<grpc::ClientReader<wv1::GenerateResponse>>> readers;
   for (int i = 0; i < 4; ++i) {

@@ -47,6 +47,10 @@ def test_full_model_spec(tmp_path: Path) -> None:
         ({"models": []}, "models"),
         ({"listen": "nowhere", "models": [model()]}, "listen"),
         ({"models": [model()], "extra": 1}, "extra"),
+        ({"models": [model()], "metrics": {}}, "metrics.listen"),
+        ({"models": [model()], "metrics": "9400"}, "metrics"),
+        ({"models": [model()], "metrics": {"listen": "9400"}}, "metrics.listen"),
+        ({"models": [model()], "metrics": {"listen": "h:1", "path": "/m"}}, "metrics.path"),
         ({"models": [model(engine="vlm")]}, "models[0].engine"),
         ({"models": [model(model="/no/such/dir")]}, "models[0].model"),
         ({"models": [model(model="builtin:huge")]}, "models[0].model"),
@@ -96,6 +100,14 @@ def test_bad_config_names_the_key(raw: object, key: str) -> None:
         parse_config(raw)
     assert info.value.key == key
     assert key in str(info.value)
+
+
+def test_metrics_listen() -> None:
+    assert parse_config({"models": [model()]}).metrics_listen is None  # off by default
+    c = parse_config({"models": [model()], "metrics": {"listen": "0.0.0.0:9400"}})
+    assert c.metrics_listen == "0.0.0.0:9400"
+    # Port 0: any free port (its address is logged).
+    assert parse_config({"models": [model()], "metrics": {"listen": "127.0.0.1:0"}}).metrics_listen
 
 
 def test_engine_args_are_per_engine() -> None:

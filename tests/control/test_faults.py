@@ -20,7 +20,7 @@ from switchyard.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2,
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from control.fleet.supervisor import free_port
-from tests.procs import Proc, start_process, wait_serving
+from tests.procs import Proc, start_process, wait_serving, worker_pid
 
 FR = common_pb2.FinishReason
 
@@ -50,21 +50,6 @@ def req(max_tokens: int, text: str = "Hello", **kw: object) -> generation_pb2.Ge
         stopping=generation_pb2.StoppingParams(max_tokens=max_tokens, ignore_eos=True),
         **kw,  # type: ignore[arg-type]
     )
-
-
-def worker_pid(address: str) -> int:
-    """The pid of the local C++ worker listening on `address`."""
-    port = address.rpartition(":")[2]
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if cmd and cmd[0].endswith(b"switchyard-cpp-worker") and port.encode() in cmd:
-            return int(pid)
-    raise LookupError(f"no worker process for {address}")
 
 
 def healthy_workers(stub: generation_pb2_grpc.GenerationStub) -> int:
