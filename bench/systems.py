@@ -107,11 +107,21 @@ def start(
 
 
 def wait_grpc_serving(
-    proc: Proc, address: str, service: str = "", timeout: float = START_TIMEOUT_S
+    proc: Proc,
+    address: str,
+    service: str = "",
+    timeout: float = START_TIMEOUT_S,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> float:
-    """Seconds until `address` answers grpc.health SERVING for `service`."""
+    """Seconds until `address` answers grpc.health SERVING for `service` (over TLS with
+    `credentials`)."""
     started = time.monotonic()
-    with grpc.insecure_channel(address) as ch:
+    channel = (
+        grpc.insecure_channel(address)
+        if credentials is None
+        else grpc.secure_channel(address, credentials)
+    )
+    with channel as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() - started < timeout:
             if proc.popen.poll() is not None:

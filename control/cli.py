@@ -15,7 +15,13 @@ from pathlib import Path
 
 import grpc
 
-from control.config import DEFAULT_LISTEN, ConfigError, default_config, load_config
+from control.config import (
+    DEFAULT_LISTEN,
+    ConfigError,
+    ServeConfig,
+    default_config,
+    load_config,
+)
 from switchyard_common.logs import configure_logging
 
 
@@ -78,8 +84,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from control.server import DEFAULT_LISTENERS, serve
-
     try:
         config = load_config(args.config) if args.config else default_config()
     except ConfigError as e:
@@ -89,6 +93,16 @@ def _serve(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, listen=args.listen)
     if args.metrics_listen:
         config = dataclasses.replace(config, metrics_listen=args.metrics_listen)
+    try:
+        return _run_serve(config, args)
+    except ConfigError as e:  # a file the config names (the tokens file) is bad
+        print(f"switchyard: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_serve(config: ServeConfig, args: argparse.Namespace) -> int:
+    from control.server import DEFAULT_LISTENERS, serve
+
     # asyncio's own loop, not uvloop: this process forks workers and routers, and a
     # child forked by uvloop (fork(), so gRPC's fork handlers run) once died of SIGSEGV
     # before exec.

@@ -4,6 +4,9 @@
 listen: 127.0.0.1:50051
 metrics: {listen: 127.0.0.1:9400}   # Prometheus text at /metrics; off when absent
 tracing: {otlp_endpoint: 127.0.0.1:4317}   # OTLP/gRPC; default: OTEL_EXPORTER_OTLP_*
+tls: {cert: server.pem, key: server.key, client_ca: ca.pem}   # client_ca: mutual TLS
+auth: {tokens_file: tokens.yaml}   # bearer tokens (control/api/auth.py); reloaded on change
+api: {reflection: true, admin: true, max_message_bytes: 67108864}
 models:
   - name: tiny
     engine: vllm            # vllm | trtllm | sim (the C++ worker's simulator)
@@ -119,12 +122,27 @@ class ModelSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class TlsConfig:
+    cert: str  # PEM files
+    key: str
+    client_ca: str | None = None  # mutual TLS: clients must show a certificate it signed
+
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
 class ServeConfig:
     listen: str = DEFAULT_LISTEN
     models: tuple[ModelSpec, ...] = ()
     metrics_listen: str | None = None  # host:port of the Prometheus endpoint; None: off
     otlp_endpoint: str | None = None  # where spans go (OTLP over gRPC); None: OTEL_* or off
     service_name: str = "switchyard-control"
+    tls: TlsConfig | None = None
+    tokens_file: str | None = None  # None: no authentication
+    reflection: bool = True
+    admin: bool = True
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
 
 def default_config(listen: str = DEFAULT_LISTEN) -> ServeConfig:
@@ -148,7 +166,7 @@ def load_config(path: Path) -> ServeConfig:
 def parse_config(raw: object) -> ServeConfig:
     if not isinstance(raw, dict):
         raise ConfigError("<root>", "expected a mapping with 'models'")
-    _no_unknown_keys(raw, {"listen", "models", "metrics", "tracing"}, "")
+    _no_unknown_keys(raw, {"listen", "models", "metrics", "tracing", "tls", "auth", "api"}, "")
     listen = raw.get("listen", DEFAULT_LISTEN)
     if not isinstance(listen, str) or not _is_address(listen):
         raise ConfigError("listen", f"expected host:port, got {listen!r}")
@@ -180,13 +198,43 @@ def parse_config(raw: object) -> ServeConfig:
             raise ConfigError(f"models[{i}].name", f"duplicate model name {spec.name!r}")
         seen.add(spec.name)
         models.append(spec)
+    auth = _section(raw, "auth", {"tokens_file"}, "")
+    tokens_file = auth.get("tokens_file")
+    if "auth" in raw and not (isinstance(tokens_file, str) and Path(tokens_file).is_file()):
+        raise ConfigError("auth.tokens_file", f"expected a tokens file, got {tokens_file!r}")
+    api = _section(raw, "api", {"reflection", "admin", "max_message_bytes"}, "")
+    for flag in ("reflection", "admin"):
+        if not isinstance(api.get(flag, True), bool):
+            raise ConfigError(f"api.{flag}", f"expected true or false, got {api[flag]!r}")
     return ServeConfig(
         listen=listen,
         models=tuple(models),
         metrics_listen=metrics_listen,
         otlp_endpoint=otlp,
         service_name=service_name,
+        tls=_tls(raw),
+        tokens_file=tokens_file,
+        reflection=api.get("reflection", True),
+        admin=api.get("admin", True),
+        max_message_bytes=_number(
+            api, "max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES, "api", integer=True
+        ),
     )
+
+
+def _tls(raw: dict[str, Any]) -> TlsConfig | None:
+    if "tls" not in raw:
+        return None
+    tls = _section(raw, "tls", {"cert", "key", "client_ca"}, "")
+    files: dict[str, str] = {}
+    for name in ("cert", "key", "client_ca"):
+        value = tls.get(name)
+        if value is None and name == "client_ca":
+            continue
+        if not isinstance(value, str) or not Path(value).is_file():
+            raise ConfigError(f"tls.{name}", f"expected a PEM file, got {value!r}")
+        files[name] = value
+    return TlsConfig(**files)
 
 
 def parse_model(m: object, key: str) -> ModelSpec:

@@ -77,3 +77,11 @@ class LoadFailed(SwitchyardError):
 class Internal(SwitchyardError):
     """A fault of the control plane itself (a bug): the client hears INTERNAL, with the
     request id, and the log has the traceback."""
+
+
+class Unauthenticated(SwitchyardError):
+    """No bearer token, or one that is not in the tokens file."""
+
+
+class PermissionDenied(SwitchyardError):
+    """A known token without the scope, or the model, that the call needs."""

@@ -18,6 +18,7 @@ process serves is still refused first ("port in use").
 from __future__ import annotations
 
 import asyncio
+import secrets
 import shutil
 import signal
 import tempfile
@@ -34,8 +35,9 @@ from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_
 
 from control import tracing
 from control.api.admin import AdminServicer
+from control.api.auth import AuthInterceptor, TokenStore
 from control.api.generation import GenerationServicer
-from control.config import ModelSpec, ServeConfig
+from control.config import ModelSpec, ServeConfig, TlsConfig
 from control.fleet.gauges import FleetCollector
 from control.fleet.lifecycle import ModelLoader, StartupError
 from control.fleet.models import ModelRegistry
@@ -49,6 +51,7 @@ log = structlog.get_logger(__name__)
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 DEFAULT_LISTENERS = 16
+TOKENS_POLL_S = 1.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -76,10 +79,25 @@ class ControlPlane:
         self.shared_port = routers > 1 or router_of is not None or listeners > 1
         options = [
             ("grpc.so_reuseport", 1 if self.shared_port else 0),
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
         ]
-        self.servers = [grpc.aio.server(options=options) for _ in range(listeners)]
-        self.server = self.servers[0]  # also serves the routers' private Admin port
+        # A bad tokens file fails the start here, naming it.
+        self.tokens = TokenStore(Path(config.tokens_file)) if config.tokens_file else None
+        self._internal_token: str | None = None
+        interceptors = [AuthInterceptor(self.tokens)] if self.tokens is not None else []
+        if self.tokens is not None and routers > 1:
+            self._internal_token = secrets.token_urlsafe(32)
+            self.tokens.add_internal("switchyard-routers", self._internal_token)
+        self.servers = [
+            grpc.aio.server(options=options, interceptors=interceptors) for _ in range(listeners)
+        ]
+        self.server = self.servers[0]
+        # Where the routers reach the supervisor's Admin: loopback, whether or not the
+        # public port serves Admin, with the same token checks.
+        self._private = (
+            grpc.aio.server(interceptors=interceptors) if routers > 1 and not router_of else None
+        )
         self.pool: RouterPool | None = None
         self.forwarder: AdminForwarder | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -104,14 +122,16 @@ class ControlPlane:
         else:
             on_change = self._models_changed if self.routers > 1 else None
             admin = AdminServicer(self.registry, self.loader, on_change)
+        services = [GENERATION_SERVICE, health.SERVICE_NAME]
+        if self.config.admin:
+            services.append(ADMIN_SERVICE)
         for server in self.servers:
             generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
-            admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
+            if self.config.admin:
+                admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-            reflection.enable_server_reflection(
-                (GENERATION_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                server,
-            )
+            if self.config.reflection:
+                reflection.enable_server_reflection((*services, reflection.SERVICE_NAME), server)
         for name in ("", GENERATION_SERVICE, *(m.name for m in self.config.models)):
             await self.health.set(name, NOT_SERVING)
         # Until they are up, requests for configured models hear UNAVAILABLE ("loading").
@@ -119,7 +139,10 @@ class ControlPlane:
         self._listen()
         private = ""
         if self.routers > 1:  # where the routers reach this process's Admin service
-            private = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+            assert self._private is not None
+            admin_pb2_grpc.add_AdminServicer_to_server(admin, self._private)
+            private = f"127.0.0.1:{bind(self._private, '127.0.0.1:0')}"
+            await self._private.start()
         for server in self.servers:
             await server.start()
         log.info("listening", address=self.config.listen, health="NOT_SERVING until ready")
@@ -128,17 +151,20 @@ class ControlPlane:
         await asyncio.gather(*(self.loader.load(spec) for spec in self.config.models))
         if self.routers > 1:  # SERVING once every process serves
             listen = f"{self.config.listen.rpartition(':')[0]}:{self.port}"
-            traced = (
-                {"otlp_endpoint": self.otlp_endpoint, "service_name": self.config.service_name}
-                if self.otlp_endpoint
-                else None
-            )
             self.pool = RouterPool(
-                self.routers, listen, private, len(self.servers), self._metrics_dir, traced
+                self.routers,
+                listen,
+                private,
+                len(self.servers),
+                self._metrics_dir,
+                self._shared_sections(),
+                self._internal_token,
             )
             await self.pool.start(self._models())
         await self._update_health()
         self._health_task = asyncio.create_task(self._health_loop(), name="model health")
+        if self.tokens is not None:
+            self._spawn(self._watch_tokens(), "watch tokens file")
         if self.forwarder is not None:
             self._spawn(self.forwarder.follow(self.registry), "follow supervisor")
         log.info(
@@ -157,9 +183,49 @@ class ControlPlane:
         host, _, port = self.config.listen.rpartition(":")
         if self.shared_port and self.router_of is None and port.isdigit():
             check_free(host, int(port))
-        self.port = bind(self.server, self.config.listen)
+        credentials = _server_credentials(self.config.tls)
+        self.port = bind(self.server, self.config.listen, credentials)
         for server in self.servers[1:]:
-            bind(server, f"{host}:{self.port}")
+            bind(server, f"{host}:{self.port}", credentials)
+
+    def _shared_sections(self) -> dict[str, Any]:
+        """The config sections the routers take over as they are."""
+        c = self.config
+        shared: dict[str, Any] = {
+            "api": {
+                "reflection": c.reflection,
+                "admin": c.admin,
+                "max_message_bytes": c.max_message_bytes,
+            }
+        }
+        if self.otlp_endpoint:
+            shared["tracing"] = {
+                "otlp_endpoint": self.otlp_endpoint,
+                "service_name": c.service_name,
+            }
+        if c.tls is not None:
+            tls = {"cert": c.tls.cert, "key": c.tls.key}
+            if c.tls.client_ca:
+                tls["client_ca"] = c.tls.client_ca
+            shared["tls"] = tls
+        if c.tokens_file:
+            shared["auth"] = {"tokens_file": c.tokens_file}
+        return shared
+
+    def reload_tokens(self) -> None:
+        """SIGHUP: read the tokens file again, here and in every router."""
+        if self.tokens is not None:
+            self.tokens.reload()
+        if self.pool is not None:
+            self.pool.send_signal(signal.SIGHUP)
+
+    async def _watch_tokens(self) -> None:
+        """Reload the tokens file when it changes (a Kubernetes Secret is updated in place)."""
+        assert self.tokens is not None
+        while True:
+            await asyncio.sleep(TOKENS_POLL_S)
+            if self.tokens.changed():
+                self.tokens.reload()
 
     def _serve_metrics(self, listen: str) -> None:
         """Prometheus text at /metrics on its own port, from a thread of its own: this
@@ -229,6 +295,8 @@ class ControlPlane:
             await self.forwarder.close()
         await self.health.enter_graceful_shutdown()
         await asyncio.gather(*(server.stop(grace) for server in self.servers))
+        if self._private is not None:
+            await self._private.stop(grace)
         await self.loader.stop_all()
         if self._metrics_server is not None:
             await asyncio.to_thread(self._metrics_server.shutdown)
@@ -237,6 +305,21 @@ class ControlPlane:
             shutil.rmtree(self._metrics_dir, ignore_errors=True)
         await asyncio.to_thread(tracing.shutdown)  # what is buffered goes out
         log.info("stopped")
+
+
+def _server_credentials(tls: TlsConfig | None) -> grpc.ServerCredentials | None:
+    """TLS for the public port; with `client_ca`, mutual TLS (a client certificate signed
+    by it is required)."""
+    if tls is None:
+        return None
+    try:
+        key, cert = Path(tls.key).read_bytes(), Path(tls.cert).read_bytes()
+        ca = Path(tls.client_ca).read_bytes() if tls.client_ca else None
+    except OSError as e:
+        raise OSError(f"tls: cannot read {e.filename}: {e.strerror}") from e
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 async def serve(
@@ -254,6 +337,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, plane.reload_tokens)
     start = asyncio.create_task(plane.start())
     stopper = asyncio.create_task(stop.wait())
     code = 0

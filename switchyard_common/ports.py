@@ -18,10 +18,14 @@ def port_in_use(address: str) -> OSError:
     return OSError(f"cannot listen on {address}: port in use (or not permitted)")
 
 
-def bind(server: Any, address: str) -> int:
-    """`server.add_insecure_port(address)`, with one clear error when it cannot bind."""
+def bind(server: Any, address: str, credentials: Any = None) -> int:
+    """`server.add_insecure_port(address)` (or `add_secure_port` with `credentials`), with
+    one clear error when it cannot bind."""
     try:
-        port: int = server.add_insecure_port(address)
+        if credentials is None:
+            port: int = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
     except RuntimeError as exc:  # grpcio raises "Failed to bind to address ..."
         raise port_in_use(address) from exc
     if port == 0:  # older grpcio reports failure as port 0

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+import grpc
+
 from bench.systems import Proc, start, wait_grpc_serving
 
 STARTUP_TIMEOUT_S = 300.0
@@ -14,8 +16,13 @@ STARTUP_TIMEOUT_S = 300.0
 __all__ = ["Proc", "start_process", "wait_serving", "worker_pid"]
 
 
-def wait_serving(proc: Proc, service: str = "", timeout: float = STARTUP_TIMEOUT_S) -> None:
-    wait_grpc_serving(proc, proc.address, service, timeout)
+def wait_serving(
+    proc: Proc,
+    service: str = "",
+    timeout: float = STARTUP_TIMEOUT_S,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
+    wait_grpc_serving(proc, proc.address, service, timeout, credentials)
 
 
 def start_process(

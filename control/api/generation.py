@@ -20,6 +20,7 @@ import structlog
 from opentelemetry.trace import StatusCode
 from switchyard.v1 import generation_pb2, generation_pb2_grpc
 
+from control.api.auth import current_caller
 from control.api.status import abort_rpc, status_code
 from control.errors import Internal, InvalidArgument, SwitchyardError
 from control.fleet.models import ModelEntry, ModelRegistry
@@ -74,6 +75,12 @@ def _end_span(span: Span, code: str) -> None:
     span.end()
 
 
+def _visible(model: str) -> bool:
+    """Whether the caller's token may use `model` (ListModels shows only those)."""
+    caller = current_caller()
+    return caller is None or caller.models is None or model in caller.models
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignore[misc]
     def __init__(self, registry: ModelRegistry) -> None:
         self._registry = registry
@@ -97,8 +104,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
             try:
                 params = parse_request(request)
                 entry = self._registry.get(params.model)
+                caller = current_caller()
+                if caller is not None:
+                    caller.check_model(entry.name)
                 gen = run_generation(
-                    entry, params, received, context.time_remaining(), with_span(span)
+                    entry, params, received, context.time_remaining(), with_span(span), caller
                 )
                 async with contextlib.aclosing(gen):
                     async for resp in gen:
@@ -161,6 +171,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
         with structlog.contextvars.bound_contextvars(model=request.model):
             try:
                 entry = self._registry.get(request.model)
+                caller = current_caller()
+                if caller is not None:
+                    caller.check_model(entry.name)
                 if len(request.text) > MAX_PROMPT_CHARS:
                     raise InvalidArgument.one(
                         "text", f"longer than {MAX_PROMPT_CHARS} characters ({len(request.text)})"
@@ -194,5 +207,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
                 workers=len(e.workers),
             )
             for e in self._registry.all()
+            if _visible(e.name)
         ]
         return generation_pb2.ListModelsResponse(models=models)

@@ -16,7 +16,9 @@ from control.errors import (
     NoHealthyWorker,
     NotFound,
     Overloaded,
+    PermissionDenied,
     SwitchyardError,
+    Unauthenticated,
     WorkerFailed,
 )
 from switchyard_common.rpc_status import Trailers, status_trailers
@@ -31,6 +33,8 @@ _CODES: dict[type[SwitchyardError], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     LoadFailed: grpc.StatusCode.FAILED_PRECONDITION,
     Internal: grpc.StatusCode.INTERNAL,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 

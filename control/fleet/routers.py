@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 import tempfile
 import time
@@ -36,6 +37,7 @@ from control.metrics import mark_process_dead, router_env
 log = structlog.get_logger(__name__)
 
 ROUTER_READY_TIMEOUT_S = 120.0
+INTERNAL_TOKEN_ENV = "SWITCHYARD_INTERNAL_TOKEN"
 FOLLOW_INTERVAL_S = 1.0
 
 
@@ -79,7 +81,8 @@ class RouterPool:
         supervisor: str,
         listeners: int = 1,
         metrics_dir: str | None = None,
-        tracing: dict[str, str] | None = None,
+        shared: dict[str, Any] | None = None,
+        internal_token: str | None = None,
     ) -> None:
         self.count = count
         self.listen = listen
@@ -87,7 +90,9 @@ class RouterPool:
         self.supervisor = supervisor  # the supervisor's private address, for Admin
         # Where the routers write their metrics for the supervisor's endpoint, if it has one.
         self.metrics_dir = metrics_dir
-        self.tracing = tracing  # the routers export spans where the supervisor does
+        # Config sections every router shares with the supervisor (tracing, tls, auth, api).
+        self.shared = shared or {}
+        self.internal_token = internal_token  # the routers' own admin token, if auth is on
         self._dir = Path(tempfile.mkdtemp(prefix="switchyard-routers-"))
         self._routers: list[LocalWorker] = []
         self._generation = 0
@@ -103,6 +108,12 @@ class RouterPool:
             old = self._routers
             self._routers = await self._spawn(models)
             await self._stop(old)
+
+    def send_signal(self, sig: int) -> None:
+        """Pass a signal on to every router (SIGHUP: reload the tokens file)."""
+        for router in self._routers:
+            if router.proc is not None and router.proc.returncode is None:
+                router.proc.send_signal(sig)
 
     async def stop(self) -> None:
         async with self._lock:
@@ -120,8 +131,7 @@ class RouterPool:
         self._generation += 1
         config = self._dir / f"routers-{self._generation}.yaml"
         raw = router_config(self.listen, models)
-        if self.tracing:
-            raw["tracing"] = self.tracing
+        raw.update(self.shared)
         config.write_text(yaml.safe_dump(raw, sort_keys=False))
         routers = []
         ready_files = []
@@ -133,6 +143,8 @@ class RouterPool:
                 "--listeners", str(self.listeners),
             ]  # fmt: skip
             env = router_env(self.metrics_dir) if self.metrics_dir is not None else None
+            if self.internal_token is not None:
+                env = {**(env or os.environ), INTERNAL_TOKEN_ENV: self.internal_token}
             router = LocalWorker(f"router-{i}", cmd, self.listen, env=env)
             await router.start()
             routers.append(router)
@@ -152,12 +164,22 @@ class AdminForwarder(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
     workers, and its answer (or error, with details) comes back unchanged."""
 
     def __init__(self, supervisor: str) -> None:
+        # With authentication on, the supervisor gave this router a token of its own
+        # for its own calls (following drains), in its environment.
+        secret = os.environ.get(INTERNAL_TOKEN_ENV)
+        self._own_token = [("authorization", f"Bearer {secret}")] if secret else []
         self._channel = grpc.aio.insecure_channel(supervisor)
         self._stub = admin_pb2_grpc.AdminStub(self._channel)
 
     async def _forward(self, method: Callable[..., Any], request: Any, context: Any) -> Any:
+        # The caller's token and trace go along: the supervisor checks the token itself.
+        metadata = [
+            (k, v)
+            for k, v in context.invocation_metadata() or ()
+            if k in ("authorization", "traceparent", "tracestate")
+        ]
         try:
-            return await method(request, timeout=context.time_remaining())
+            return await method(request, timeout=context.time_remaining(), metadata=metadata)
         except grpc.aio.AioRpcError as e:
             await context.abort(e.code(), e.details() or "", e.trailing_metadata() or None)
 
@@ -178,7 +200,9 @@ class AdminForwarder(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
         while True:
             await asyncio.sleep(FOLLOW_INTERVAL_S)
             try:
-                listed = await self._stub.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=5)
+                listed = await self._stub.ListWorkers(
+                    admin_pb2.ListWorkersRequest(), timeout=5, metadata=self._own_token
+                )
             except grpc.aio.AioRpcError as e:
                 log.warning("supervisor unreachable", code=e.code().name)
                 continue

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Sequence
+from typing import Protocol
 
 import structlog
 from opentelemetry.trace import StatusCode
@@ -66,6 +67,14 @@ _SAMPLING_FIELDS = (
 )
 
 
+class TokenBudget(Protocol):
+    """A caller's token rate (control.api.auth.Caller)."""
+
+    def take_tokens(self, n: int) -> None: ...
+
+    def give_back_tokens(self, n: int) -> None: ...
+
+
 def build_worker_request(
     params: GenerationParams, prompt_ids: Sequence[int], max_tokens: int, min_tokens: int
 ) -> worker_pb2.GenerateRequest:
@@ -112,7 +121,10 @@ async def run_generation(
     received_at: float,
     time_remaining: float | None,
     trace: Context | None = None,
+    budget: TokenBudget | None = None,
 ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
+    """`budget`, when given, is charged the prompt plus max_tokens before admission
+    (raising Overloaded beyond its rate) and gets back what was not generated."""
     deadline = None if time_remaining is None else time.monotonic() + time_remaining
     if params.prompt_ids is not None:
         prompt_ids = list(params.prompt_ids)
@@ -120,6 +132,10 @@ async def run_generation(
         assert params.prompt_text is not None
         prompt_ids = await encode_prompt(entry.tokenizer, params.prompt_text)
     max_tokens = entry.limits.bind(params, prompt_ids)
+    charged = 0
+    if budget is not None:
+        charged = len(prompt_ids) + max_tokens
+        budget.take_tokens(charged)
 
     final = generation_pb2.Final(request_id=params.request_id, engine=entry.info.label)
     final.usage.prompt_tokens = len(prompt_ids)
@@ -139,10 +155,14 @@ async def run_generation(
         final.timing.queue_ms = (time.perf_counter() - received_at) * 1000.0
         final.timing.total_ms = final.timing.queue_ms
         _record_final(entry, final)
+        if budget is not None:
+            budget.give_back_tokens(max_tokens)
         yield generation_pb2.GenerateResponse(final=final)
         return
     except BaseException as e:  # overloaded, or the caller went away while queued
         span.set_attribute("switchyard.outcome", type(e).__name__)
+        if budget is not None:
+            budget.give_back_tokens(charged)
         raise
     finally:
         span.end()
@@ -161,6 +181,8 @@ async def run_generation(
         yield generation_pb2.GenerateResponse(final=final)
     finally:
         entry.admission.release()
+        if budget is not None:  # what it did not generate (all of it if it never ended)
+            budget.give_back_tokens(max_tokens - final.usage.completion_tokens)
 
 
 def _record_final(entry: ModelEntry, final: generation_pb2.Final) -> None:
