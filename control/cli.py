@@ -2,7 +2,7 @@
 
 switchyard serve [--config FILE]          # no config: the generated tiny model on vLLM
 switchyard generate --model tiny "Hello"  # stream a generation to the terminal
-switchyard models                         # list served models
+switchyard complete | tokenize | models | workers | load | unload | drain
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import grpc
-
+from control.cli_calls import add_commands, run
 from control.config import (
     DEFAULT_LISTEN,
     ConfigError,
@@ -56,20 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--router-of", help=argparse.SUPPRESS)
     s.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
 
-    g = sub.add_parser("generate", help="stream a generation to the terminal")
-    g.add_argument("prompt")
-    g.add_argument("--model", default="tiny")
-    g.add_argument("--address", default=DEFAULT_LISTEN)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append", default=[])
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
-
-    m = sub.add_parser("models", help="list the served models")
-    m.add_argument("--address", default=DEFAULT_LISTEN)
+    add_commands(sub)
     return p
 
 
@@ -78,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_format, args.log_level)
     if args.command == "serve":
         return _serve(args)
-    if args.command == "generate":
-        return _generate(args)
-    return _models(args)
+    return run(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -122,62 +106,6 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
     return value
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from switchyard.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-
-    sampling = common_pb2.SamplingParams()
-    if args.temperature is not None:
-        sampling.temperature = args.temperature
-    if args.top_p is not None:
-        sampling.top_p = args.top_p
-    if args.seed is not None:
-        sampling.seed = args.seed
-    req = generation_pb2.GenerateRequest(
-        model=args.model,
-        text=args.prompt,
-        sampling=sampling,
-        stopping=generation_pb2.StoppingParams(
-            max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos
-        ),
-    )
-    with grpc.insecure_channel(args.address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        try:
-            for resp in stub.Generate(req, timeout=args.timeout):
-                if resp.HasField("chunk"):
-                    sys.stdout.write(resp.chunk.text)
-                    sys.stdout.flush()
-                else:
-                    f = resp.final
-                    reason = common_pb2.FinishReason.Name(f.finish_reason).removeprefix(
-                        "FINISH_REASON_"
-                    )
-                    print(
-                        f"\n[{reason}] {f.usage.completion_tokens} tokens, "
-                        f"TTFT {f.timing.time_to_first_token_ms:.1f} ms, "
-                        f"total {f.timing.total_ms:.1f} ms, {f.engine} at {f.worker}",
-                        file=sys.stderr,
-                    )
-        except grpc.RpcError as e:
-            print(f"\nswitchyard: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    return 0
-
-
-def _models(args: argparse.Namespace) -> int:
-    from switchyard.v1 import generation_pb2, generation_pb2_grpc
-
-    with grpc.insecure_channel(args.address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        resp = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=10)
-    for m in resp.models:
-        print(
-            f"{m.name}\t{m.engine}\tcontext {m.max_context}\t"
-            f"{m.healthy_workers}/{m.workers} workers healthy"
-        )
-    return 0
 
 
 if __name__ == "__main__":

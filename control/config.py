@@ -20,6 +20,7 @@ models:
     health: {canary_interval_s: 5, canary_timeout_s: 2, failure_threshold: 3}
     discovery: {dns: workers.example:7001, interval_s: 10}   # every address behind a name
     worker_stream: true     # share one GenerateStream per worker (when it offers one)
+    worker_tls: {ca: ca.pem, cert: client.pem, key: client.key, server_name: workers}
 ```
 """
 
@@ -98,6 +99,17 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerTls:
+    """How the control plane reaches a model's workers over TLS."""
+
+    ca: str | None = None  # the CA to trust (None: the system's roots)
+    cert: str | None = None  # mutual TLS: the control plane's certificate and key
+    key: str | None = None
+    server_name: str | None = None  # the name the workers' certificates carry, if not
+    # the address's host
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     name: str
     engine: str
@@ -115,6 +127,7 @@ class ModelSpec:
     dns: str | None = None  # host:port re-resolved for workers (a headless Service)
     dns_interval_s: float = 10.0
     worker_stream: bool = True  # one GenerateStream per worker instead of a call per request
+    worker_tls: WorkerTls | None = None  # TLS to the workers; None: plaintext
 
     @property
     def is_builtin(self) -> bool:
@@ -255,6 +268,7 @@ def parse_model(m: object, key: str) -> ModelSpec:
             "health",
             "discovery",
             "worker_stream",
+            "worker_tls",
         },
         key,
     )
@@ -337,7 +351,24 @@ def parse_model(m: object, key: str) -> ModelSpec:
         dns=dns,
         dns_interval_s=_number(discovery, "interval_s", 10.0, f"{key}.discovery"),
         worker_stream=worker_stream,
+        worker_tls=_worker_tls(m, key),
     )
+
+
+def _worker_tls(m: dict[str, Any], key: str) -> WorkerTls | None:
+    if "worker_tls" not in m:
+        return None
+    sec = _section(m, "worker_tls", {"ca", "cert", "key", "server_name"}, key)
+    for name in ("ca", "cert", "key"):
+        value = sec.get(name)
+        if value is not None and (not isinstance(value, str) or not Path(value).is_file()):
+            raise ConfigError(f"{key}.worker_tls.{name}", f"expected a PEM file, got {value!r}")
+    if ("cert" in sec) != ("key" in sec):
+        raise ConfigError(f"{key}.worker_tls", "cert and key go together")
+    server_name = sec.get("server_name")
+    if server_name is not None and (not isinstance(server_name, str) or not server_name):
+        raise ConfigError(f"{key}.worker_tls.server_name", f"expected a name, got {server_name!r}")
+    return WorkerTls(**sec)
 
 
 def _check_cpp_engine_args(engine: str, args: dict[Any, Any], key: str) -> None:

@@ -45,6 +45,7 @@ from control.fleet.routers import AdminForwarder, RouterPool
 from control.metrics import scrape_registry
 from control.tracing import endpoint_from_env
 from switchyard_common.ports import bind, check_free
+from switchyard_common.tls import server_credentials
 
 log = structlog.get_logger(__name__)
 
@@ -52,6 +53,7 @@ GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].fu
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 DEFAULT_LISTENERS = 16
 TOKENS_POLL_S = 1.0
+LIVENESS_SERVICE = "liveness"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -134,6 +136,9 @@ class ControlPlane:
                 reflection.enable_server_reflection((*services, reflection.SERVICE_NAME), server)
         for name in ("", GENERATION_SERVICE, *(m.name for m in self.config.models)):
             await self.health.set(name, NOT_SERVING)
+        # For liveness probes: SERVING while this process serves gRPC at all, whatever
+        # its models' state (readiness asks for a model's name).
+        await self.health.set(LIVENESS_SERVICE, SERVING)
         # Until they are up, requests for configured models hear UNAVAILABLE ("loading").
         self.registry.loading.update(m.name for m in self.config.models)
         self._listen()
@@ -308,18 +313,10 @@ class ControlPlane:
 
 
 def _server_credentials(tls: TlsConfig | None) -> grpc.ServerCredentials | None:
-    """TLS for the public port; with `client_ca`, mutual TLS (a client certificate signed
-    by it is required)."""
+    """TLS for the public port; with `client_ca`, mutual TLS."""
     if tls is None:
         return None
-    try:
-        key, cert = Path(tls.key).read_bytes(), Path(tls.cert).read_bytes()
-        ca = Path(tls.client_ca).read_bytes() if tls.client_ca else None
-    except OSError as e:
-        raise OSError(f"tls: cannot read {e.filename}: {e.strerror}") from e
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
-    )
+    return server_credentials(tls.cert, tls.key, tls.client_ca)
 
 
 async def serve(

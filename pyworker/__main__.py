@@ -23,6 +23,7 @@ import structlog
 from pyworker.stderr_tail import StderrTail
 from switchyard_common.logs import configure_logging
 from switchyard_common.ports import Reservation
+from switchyard_common.tls import server_credentials
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -69,6 +70,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--grace", type=float, default=DEFAULT_GRACE_S, help="shutdown grace in seconds"
     )
+    parser.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
+    parser.add_argument("--tls-key", help="... and this key (PEM)")
+    parser.add_argument(
+        "--tls-client-ca", help="mutual TLS: only clients with a certificate this CA signed"
+    )
     parser.add_argument("--log-format", choices=("console", "json"), default="console")
     parser.add_argument(
         "--log-level", choices=("debug", "info", "warning", "error"), default="info"
@@ -92,8 +98,15 @@ async def run(args: argparse.Namespace, tail: StderrTail | None = None) -> int:
     from pyworker.engine_args import EngineArgsError
     from pyworker.server import StopReason, serve
 
+    credentials = None
     try:
         # Fail before minutes of engine start, not after, and keep the port meanwhile.
+        if args.tls_cert or args.tls_key or args.tls_client_ca:
+            if not (args.tls_cert and args.tls_key):
+                return startup_failed(args, "--tls-cert and --tls-key go together")
+            credentials = server_credentials(
+                args.tls_cert, args.tls_key, args.tls_client_ca, what="--tls"
+            )
         reservation = Reservation(args.host, args.port)
     except OSError as exc:
         return startup_failed(args, str(exc))
@@ -117,7 +130,12 @@ async def run(args: argparse.Namespace, tail: StderrTail | None = None) -> int:
     code = EXIT_STARTUP_FAILED
     try:
         reason = await serve(
-            engine, args.host, args.port, grace_s=args.grace, reservation=reservation
+            engine,
+            args.host,
+            args.port,
+            grace_s=args.grace,
+            reservation=reservation,
+            credentials=credentials,
         )
         code = EXIT_ENGINE_DEAD if reason is StopReason.ENGINE_DEAD else EXIT_OK
         log.info("stopped", reason=reason.value)

@@ -48,9 +48,16 @@ def listen_address(host: str, port: int) -> str:
 class WorkerServer:
     """One grpc.aio server for one engine."""
 
-    def __init__(self, engine: Engine, host: str, port: int) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        host: str,
+        port: int,
+        credentials: grpc.ServerCredentials | None = None,
+    ) -> None:
         self._engine = engine
         self._address = listen_address(host, port)
+        self._credentials = credentials  # TLS, or None: plaintext
         self._server = grpc.aio.server(options=[NO_REUSEPORT])
         self._health = health_aio.HealthServicer()
         self.servicer = WorkerServicer(engine)
@@ -74,7 +81,7 @@ class WorkerServer:
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if reservation is not None:
             reservation.release()  # held while the engine started; bound again at once
-        self.port = bind(self._server, self._address)
+        self.port = bind(self._server, self._address, self._credentials)
         await self._server.start()
         for name in HEALTH_SERVICES:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -139,9 +146,10 @@ async def serve(
     port: int,
     grace_s: float = DEFAULT_GRACE_S,
     reservation: Reservation | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> StopReason:
     """Serve `engine` until SIGTERM/SIGINT or engine death. The engine stays up."""
-    server = WorkerServer(engine, host, port)
+    server = WorkerServer(engine, host, port, credentials)
     install_signal_handlers(server)
     try:
         await server.start(reservation)

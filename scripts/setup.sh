@@ -11,10 +11,20 @@ say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 
 # 1. System packages: a C++ toolchain, CMake and Ninja, and for the C++ worker gRPC,
 #    protobuf, GoogleTest and nlohmann-json (the engine config.json parser) from Debian.
-#    With --for-tests (scripts/test), also the servers the tests run for real: Prometheus.
+#    With --for-tests (scripts/test), also what the tests run for real: Prometheus,
+#    Node.js with the npm packages of the Node client test, and kubectl.
 apt_packages=(build-essential cmake ninja-build git pkg-config libgrpc++-dev libprotobuf-dev
   protobuf-compiler protobuf-compiler-grpc libgtest-dev nlohmann-json3-dev)
 test_apt_packages=(prometheus)
+# Node.js for the Node client test; Debian's, unless a node with npm is there already.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  test_apt_packages+=(nodejs npm)
+fi
+# kubectl (its kustomize renders deploy/k8s in tests/test_deploy.py); Debian's, unless
+# one is there already.
+if ! command -v kubectl >/dev/null; then
+  test_apt_packages+=(kubernetes-client)
+fi
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -41,6 +51,16 @@ if [ ${#missing[@]} -gt 0 ] || [ ${#missing_test[@]} -gt 0 ]; then
     # Only the server binaries: no exporters or web assets it would recommend.
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
       "${missing_test[@]}" >/dev/null
+  fi
+fi
+
+# The Node client test's packages (@grpc/grpc-js, @grpc/proto-loader), as locked.
+if [ "${1:-}" = "--for-tests" ]; then
+  node_dir="$root/tests/clients/node"
+  if [ ! -d "$node_dir/node_modules" ] \
+    || [ "$node_dir/package-lock.json" -nt "$node_dir/node_modules/.package-lock.json" ]; then
+    say "installing the Node client test's npm packages (tests/clients/node)"
+    (cd "$node_dir" && npm ci --no-audit --no-fund --loglevel=error >&2)
   fi
 fi
 

@@ -26,6 +26,7 @@ from control.fleet.supervisor import (
 from control.text.tokenizer import Tokenizer
 from control.workers.client import HealthPolicy, WorkerClient, WorkerInfo
 from switchyard_common.tinymodel import ensure_tiny_model
+from switchyard_common.tls import channel_credentials
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +58,14 @@ def health_policy(spec: ModelSpec) -> HealthPolicy:
         failure_threshold=spec.failure_threshold,
         worker_stream=spec.worker_stream,
     )
+
+
+def worker_client(address: str, spec: ModelSpec) -> WorkerClient:
+    tls = spec.worker_tls
+    if tls is None:
+        return WorkerClient(address, health_policy(spec))
+    creds = channel_credentials(tls.ca, tls.cert, tls.key, what="worker_tls")
+    return WorkerClient(address, health_policy(spec), creds, tls.server_name)
 
 
 async def resolve(hostport: str) -> list[str]:
@@ -114,7 +123,7 @@ class ModelLoader:
                     await lw.start()
                     local.append(lw)
                     addresses.append(lw.address)
-            clients = [WorkerClient(a, health_policy(spec)) for a in addresses]
+            clients = [worker_client(a, spec) for a in addresses]
             log.info("loading model", model=spec.name, engine=spec.engine, workers=addresses)
             if spec.dns:
                 # Behind a name, some addresses may never answer (a pod going away, an
@@ -276,7 +285,7 @@ class ModelLoader:
 
     async def _join(self, entry: ModelEntry, address: str) -> None:
         self._joining.add(address)
-        client = WorkerClient(address, health_policy(entry.spec))
+        client = worker_client(address, entry.spec)
         try:
             await client.wait_ready(max(10.0, entry.spec.dns_interval_s * 3))
             if self.registry.find(entry.name) is not entry or not entry.accepting:

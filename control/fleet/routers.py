@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import sys
 import tempfile
@@ -58,6 +59,10 @@ def router_config(listen: str, models: Sequence[tuple[ModelSpec, Sequence[str]]]
             },
             "worker_stream": spec.worker_stream,
         }
+        if spec.worker_tls is not None:
+            m["worker_tls"] = {
+                k: v for k, v in dataclasses.asdict(spec.worker_tls).items() if v is not None
+            }
         if spec.dns:
             # Workers behind a name come and go: each router follows the name itself.
             m["discovery"] = {"dns": spec.dns, "interval_s": spec.dns_interval_s}

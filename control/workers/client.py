@@ -84,10 +84,22 @@ class HealthPolicy:
 class WorkerClient:
     """A worker as the control plane sees it; also a routing `Candidate`."""
 
-    def __init__(self, address: str, health: HealthPolicy | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        health: HealthPolicy | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        server_name: str | None = None,
+    ) -> None:
         self.address = address
         self.health_policy = health or HealthPolicy()
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        else:  # TLS (models[].worker_tls)
+            options: list[tuple[str, int | str]] = list(CHANNEL_OPTIONS)
+            if server_name:
+                options.append(("grpc.ssl_target_name_override", server_name))
+            self.channel = grpc.aio.secure_channel(address, credentials, options=options)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.info: WorkerInfo | None = None

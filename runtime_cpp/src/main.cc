@@ -54,6 +54,7 @@ struct Args {
 const char* kUsage =
     "usage: switchyard-cpp-worker --engine sim|trtllm --port N [--host 127.0.0.1]\n"
     "  [--model NAME_OR_ENGINE_DIR] [--grace-s 10] [--termination-log PATH]\n"
+    "  [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]]\n"
     "  sim (a simulator, not an engine): [--sim-vocab-size 32000] [--sim-max-context 4096]\n"
     "    [--sim-eos-id 2] [--sim-eos-every 0] [--sim-eos-convention vllm|trtllm]\n"
     "    [--sim-tokens-per-block 32] [--sim-kv-blocks 4096] [--sim-max-batch 256]\n"
@@ -194,6 +195,31 @@ std::unique_ptr<Executor> make_executor(const Args& a) {
 }
 
 
+std::string read_file(const std::string& flag, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::invalid_argument("--" + flag + ": cannot read " + path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Plaintext unless --tls-cert and --tls-key name PEM files; with --tls-client-ca too, only
+// clients (the control plane) with a certificate that CA signed get in (mutual TLS).
+std::shared_ptr<grpc::ServerCredentials> server_credentials(const Args& args) {
+  const std::string cert = args.get("tls-cert", ""), key = args.get("tls-key", "");
+  const std::string ca = args.get("tls-client-ca", "");
+  if (cert.empty() && key.empty() && ca.empty()) return grpc::InsecureServerCredentials();
+  if (cert.empty() || key.empty()) {
+    throw std::invalid_argument("--tls-cert and --tls-key go together");
+  }
+  grpc::SslServerCredentialsOptions options(
+      ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                 : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  options.pem_key_cert_pairs.push_back({read_file("tls-key", key), read_file("tls-cert", cert)});
+  if (!ca.empty()) options.pem_root_certs = read_file("tls-client-ca", ca);
+  return grpc::SslServerCredentials(options);
+}
+
 // Why the worker cannot start: on stderr, and in --termination-log for its supervisor
 // (the control plane reads it and names the reason in its own "startup failed").
 int startup_failed(const Args& args, const std::string& message, int code) {
@@ -251,7 +277,13 @@ int main(int argc, char** argv) {
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
     int bound_port = 0;
-    builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &bound_port);
+    std::shared_ptr<grpc::ServerCredentials> credentials;
+    try {
+      credentials = server_credentials(args);
+    } catch (const std::exception& e) {
+      return startup_failed(args, e.what(), 2);
+    }
+    builder.AddListeningPort(address, credentials, &bound_port);
     // gRPC sets SO_REUSEPORT by default: a second worker on the same port would then listen
     // too, and the kernel would split the connections between them. One port, one worker.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);

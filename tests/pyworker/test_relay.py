@@ -14,6 +14,7 @@ from switchyard.worker.v1 import worker_pb2
 
 from pyworker.load import InFlight
 from pyworker.relay import StreamedRequest
+from pyworker.request import ParsedGenerate
 
 
 class Collector:
@@ -45,7 +46,9 @@ class FakeLLM:
 
 class FakeGenerations:
     def __init__(self, llm: FakeLLM) -> None:
-        self.engine = SimpleNamespace(llm=llm, make_prompt=lambda ids: ids)
+        self.engine = SimpleNamespace(
+            llm=llm, make_prompt=lambda ids: ids, trace_headers=lambda headers: headers
+        )
         self.released: list[str] = []
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -90,8 +93,12 @@ def make(
     llm: FakeLLM, sink: Sink, deadline: float | None = None
 ) -> tuple[StreamedRequest, FakeGenerations]:
     gens = FakeGenerations(llm)
-    parsed = SimpleNamespace(
-        prompt_token_ids=[1, 2], sampling_params=None, priority=0, logprobs=None
+    parsed = ParsedGenerate(
+        prompt_token_ids=[1, 2],
+        sampling_params=None,
+        logprobs=None,
+        priority=0,
+        stop_token_ids=frozenset(),
     )
     state = InFlight("r1", prompt_tokens=2)
     req = StreamedRequest(gens, parsed, state, sink, 0.0, deadline)  # type: ignore[arg-type]

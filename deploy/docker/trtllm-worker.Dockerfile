@@ -5,7 +5,7 @@
 # recipe for a GPU host; there the adapter is compiled and linked for real. Pick a release
 # of the 1.0-1.2 line, which still ships the engine-based C++ executor.
 #
-#   docker build -f Dockerfile.trtllm --build-arg TRTLLM_IMAGE=nvcr.io/nvidia/tensorrt-llm/release:1.1.0 -t switchyard-trtllm .
+#   docker build -f deploy/docker/trtllm-worker.Dockerfile --build-arg TRTLLM_IMAGE=nvcr.io/nvidia/tensorrt-llm/release:1.1.0 -t switchyard-trtllm .
 #   docker run --gpus all -v /engines:/engines -p 7001:7001 switchyard-trtllm \
 #       --engine trtllm --model /engines/llama-8b --host 0.0.0.0 --port 7001 \
 #       --max-context 8192 --vocab-size 128256 --eos-id 128001
@@ -23,4 +23,9 @@ COPY . .
 RUN TRTLLM_ROOT=$(python3 -c "import os, tensorrt_llm; print(os.path.dirname(tensorrt_llm.__file__))") \
     && pip install --no-cache-dir . -C cmake.define.TRTLLM_ROOT="$TRTLLM_ROOT"
 
+RUN useradd --create-home --uid 10001 switchyard
+USER 10001
+EXPOSE 7001
+HEALTHCHECK --interval=10s --timeout=3s --start-period=300s \
+  CMD ["switchyard", "health", "--address", "127.0.0.1:7001"]
 ENTRYPOINT ["switchyard-cpp-worker"]

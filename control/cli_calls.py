@@ -1,0 +1,251 @@
+"""The `switchyard` commands that call a running service, on `switchyard.client`.
+
+Every command takes the connection options: `--address`, `--token` (or
+SWITCHYARD_TOKEN), `--tls` with `--ca`, `--cert` and `--key` for TLS and mutual TLS,
+and `--timeout`. A failure prints its status, message and the fields it names, and exits
+1. Long admin actions (load, unload, drain) show a progress line while they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from control.config import DEFAULT_LISTEN
+from switchyard.client import Client, SwitchyardError, Tls
+
+T = TypeVar("T")
+
+
+def add_commands(sub: Any) -> None:
+    """The client commands, on the `switchyard` parser's subparsers."""
+    conn = argparse.ArgumentParser(add_help=False)
+    c = conn.add_argument_group("connection")
+    c.add_argument("--address", default=DEFAULT_LISTEN, help="host:port of the service")
+    c.add_argument(
+        "--token",
+        default=os.environ.get("SWITCHYARD_TOKEN"),
+        help="bearer token (default: $SWITCHYARD_TOKEN)",
+    )
+    c.add_argument("--tls", action="store_true", help="TLS (the system's roots, or --ca)")
+    c.add_argument("--ca", help="CA certificate (PEM) to trust; implies --tls")
+    c.add_argument("--cert", help="client certificate (PEM), for mutual TLS; implies --tls")
+    c.add_argument("--key", help="client key (PEM), for mutual TLS")
+    c.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+    gen = argparse.ArgumentParser(add_help=False)
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default="tiny")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--traceparent", help="W3C trace context to continue")
+
+    sub.add_parser("generate", parents=[gen, conn], help="stream a generation to the terminal")
+    sub.add_parser("complete", parents=[gen, conn], help="print a whole generation at once")
+    t = sub.add_parser("tokenize", parents=[conn], help="token ids (and pieces) of a text")
+    t.add_argument("text")
+    t.add_argument("--model", default="tiny")
+    sub.add_parser("models", parents=[conn], help="list the served models")
+    w = sub.add_parser("workers", parents=[conn], help="list the workers and their state")
+    w.add_argument("--model", default="")
+    w.add_argument("--json", action="store_true", help="one JSON object per worker")
+    ld = sub.add_parser("load", parents=[conn], help="load a model (start or join its workers)")
+    ld.add_argument("name")
+    ld.add_argument("--engine", required=True, choices=("vllm", "trtllm", "sim"))
+    ld.add_argument("--model-path", dest="model_path", required=True, help="dir or builtin:tiny")
+    ld.add_argument("--tokenizer", default="")
+    ld.add_argument("--replicas", type=int, default=1)
+    ld.add_argument("--engine-args", default="{}", help="a JSON object")
+    ld.add_argument("--worker", action="append", default=[], help="a running worker's address")
+    ld.add_argument("--routing", default="")
+    u = sub.add_parser("unload", parents=[conn], help="drain and stop a model's workers")
+    u.add_argument("name")
+    u.add_argument("--grace", type=float, default=None, help="seconds to let requests finish")
+    h = sub.add_parser(
+        "health", parents=[conn], help="grpc.health.v1 status; exit 0 when SERVING (a probe)"
+    )
+    h.add_argument("--service", default="", help="a model's name, or empty for the server")
+    d = sub.add_parser("drain", parents=[conn], help="drain one worker (no new requests)")
+    d.add_argument("address_", metavar="worker")
+    d.add_argument("--grace", type=float, default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    tls: Tls | bool = False
+    if args.ca or args.cert:
+        tls = Tls(ca=args.ca, cert=args.cert, key=args.key)
+    elif args.tls:
+        tls = True
+    try:
+        with Client(args.address, token=args.token, tls=tls, timeout=args.timeout) as client:
+            handler: Callable[[Client, argparse.Namespace], int] = globals()[f"_{args.command}"]
+            return handler(client, args)
+    except SwitchyardError as e:
+        print(f"\nswitchyard: {e}", file=sys.stderr)
+        for v in e.violations:
+            print(f"  {v.field}: {v.description}", file=sys.stderr)
+        if e.retry_after_s is not None:
+            print(f"  retry after {e.retry_after_s:g} s", file=sys.stderr)
+        return 1
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = {"max_tokens": args.max_tokens, "stop": args.stop}
+    if args.ignore_eos:
+        opts["ignore_eos"] = True
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(args, name) is not None:
+            opts[name] = getattr(args, name)
+    return opts
+
+
+def _summary(final: Any) -> str:
+    return (
+        f"[{final.finish_reason.upper()}] {final.usage.completion_tokens} tokens, "
+        f"TTFT {final.timing.time_to_first_token_ms:.1f} ms, "
+        f"total {final.timing.total_ms:.1f} ms, {final.engine} at {final.worker}"
+    )
+
+
+def _generate(client: Client, args: argparse.Namespace) -> int:
+    with client.generate(
+        args.model, args.prompt, traceparent=args.traceparent, **_options(args)
+    ) as stream:
+        for chunk in stream:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    if stream.final is not None:
+        print(f"\n{_summary(stream.final)}", file=sys.stderr)
+    return 0
+
+
+def _complete(client: Client, args: argparse.Namespace) -> int:
+    out = client.complete(args.model, args.prompt, traceparent=args.traceparent, **_options(args))
+    print(out.text)
+    print(_summary(out.final), file=sys.stderr)
+    return 0
+
+
+def _tokenize(client: Client, args: argparse.Namespace) -> int:
+    out = client.tokenize(args.model, args.text)
+    print(" ".join(str(i) for i in out.token_ids))
+    print(" ".join(repr(t) for t in out.tokens), file=sys.stderr)
+    return 0
+
+
+def _models(client: Client, args: argparse.Namespace) -> int:
+    for m in client.models():
+        print(
+            f"{m.name}\t{m.engine}\tcontext {m.max_context}\t"
+            f"{m.healthy_workers}/{m.workers} workers healthy"
+        )
+    return 0
+
+
+def _workers(client: Client, args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    for w in client.workers(args.model):
+        if args.json:
+            print(json.dumps(MessageToDict(w, preserving_proto_field_name=True)))
+            continue
+        state = "draining" if w.draining else ("serving" if w.serving else "not serving")
+        print(
+            f"{w.model}\t{w.address}\t{w.engine}\t{state}, circuit {w.circuit}\t"
+            f"running {w.running}, waiting {w.waiting}, in flight {w.in_flight}"
+        )
+    return 0
+
+
+def _load(client: Client, args: argparse.Namespace) -> int:
+    from switchyard.v1 import admin_pb2
+
+    spec = admin_pb2.ModelSpec(
+        name=args.name,
+        engine=args.engine,
+        model=args.model_path,
+        tokenizer=args.tokenizer,
+        replicas=args.replicas,
+        workers=args.worker,
+        routing=args.routing,
+    )
+    try:
+        spec.engine_args.update(json.loads(args.engine_args))
+    except (ValueError, TypeError) as e:
+        print(f"switchyard: --engine-args: expected a JSON object ({e})", file=sys.stderr)
+        return 2
+    out = _with_progress(f"loading {args.name}", lambda: client.load_model(spec))
+    print(f"{out.name}: {len(out.workers)} workers serving after {out.load_seconds:.1f} s")
+    return 0
+
+
+def _unload(client: Client, args: argparse.Namespace) -> int:
+    out = _with_progress(
+        f"unloading {args.name}", lambda: client.unload_model(args.name, grace_s=args.grace)
+    )
+    print(
+        f"{args.name}: unloaded ({out.drained_requests} requests drained, "
+        f"{out.cancelled_requests} cancelled)"
+    )
+    return 0
+
+
+def _drain(client: Client, args: argparse.Namespace) -> int:
+    out = _with_progress(
+        f"draining {args.address_}", lambda: client.drain(args.address_, grace_s=args.grace)
+    )
+    print(f"{out.worker.address}: drained ({out.in_flight_left} requests left in flight)")
+    return 0
+
+
+def _health(client: Client, args: argparse.Namespace) -> int:
+    status = client.health(args.service)
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def _with_progress(label: str, call: Callable[[], T]) -> T:
+    """Run `call`, showing `label` and the seconds so far on stderr meanwhile: one line
+    redrawn on a terminal, a line every 10 s otherwise."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(call())
+        except BaseException as e:
+            error.append(e)
+
+    worker = threading.Thread(target=target, daemon=True)
+    started = time.monotonic()
+    worker.start()
+    tty = sys.stderr.isatty()
+    if not tty:
+        print(f"{label} ...", file=sys.stderr, flush=True)
+    last = 0.0
+    while worker.is_alive():
+        worker.join(0.5)
+        elapsed = time.monotonic() - started
+        if tty:
+            sys.stderr.write(f"\r{label} ... {elapsed:.0f} s")
+            sys.stderr.flush()
+        elif elapsed - last >= 10:
+            print(f"{label} ... {elapsed:.0f} s", file=sys.stderr, flush=True)
+            last = elapsed
+    outcome = "failed" if error else "done"
+    end = "\r" if tty else ""
+    print(f"{end}{label} ... {outcome} in {time.monotonic() - started:.1f} s", file=sys.stderr)
+    if error:
+        raise error[0]
+    return result[0]

@@ -1,0 +1,167 @@
+"""What the sync and asyncio clients share: building requests, metadata, channels and
+the retry policy."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from switchyard.v1 import common_pb2, generation_pb2
+
+from switchyard.client.errors import SwitchyardError
+
+Metadata = list[tuple[str, str]]
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Retries of a call that failed before its first token with RESOURCE_EXHAUSTED or
+    UNAVAILABLE: after the server's RetryInfo delay when it gave one, else after an
+    exponential backoff; both jittered, within the call's deadline."""
+
+    max_attempts: int = 5
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+    retry_on: frozenset[grpc.StatusCode] = frozenset(
+        {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
+    )
+    rng: random.Random = field(default_factory=random.Random, compare=False)
+
+    def delay(self, err: SwitchyardError, attempt: int, deadline: float | None) -> float | None:
+        """Seconds to wait before attempt `attempt + 1`, or None to give up."""
+        if err.code not in self.retry_on or attempt + 1 >= self.max_attempts:
+            return None
+        if err.retry_after_s is not None:
+            wait = err.retry_after_s * self.rng.uniform(1.0, 1.25)
+        else:
+            backoff = min(self.max_backoff_s, self.initial_backoff_s * 2**attempt)
+            wait = backoff * self.rng.uniform(0.5, 1.5)
+        if deadline is not None and time.monotonic() + wait >= deadline:
+            return None
+        return wait
+
+
+NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+@dataclass(frozen=True, slots=True)
+class Tls:
+    """TLS to the server: `ca` to trust (default: the system's roots); `cert` and `key`
+    for mutual TLS. Paths to PEM files, or the PEM bytes."""
+
+    ca: str | Path | bytes | None = None
+    cert: str | Path | bytes | None = None
+    key: str | Path | bytes | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=_pem(self.ca),
+            private_key=_pem(self.key),
+            certificate_chain=_pem(self.cert),
+        )
+
+
+def _pem(value: str | Path | bytes | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
+
+
+def metadata(
+    token: str | None, traceparent: str | None, extra: Sequence[tuple[str, str]] = ()
+) -> Metadata:
+    md: Metadata = []
+    if token:
+        md.append(("authorization", f"Bearer {token}"))
+    if traceparent:
+        md.append(("traceparent", traceparent))
+    md.extend(extra)
+    return md
+
+
+def generate_request(
+    model: str,
+    prompt: str | Sequence[int],
+    *,
+    max_tokens: int | None = None,
+    min_tokens: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool | None = None,
+    include_stop: bool | None = None,
+    logprobs: int | None = None,
+    skip_special_tokens: bool | None = None,
+    request_id: str | None = None,
+    priority: int = 0,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    seed: int | None = None,
+) -> generation_pb2.GenerateRequest:
+    """A `GenerateRequest`: `prompt` is text, or token ids. Unset values take the
+    server's defaults. The request id is fixed here, so that retries keep it."""
+    sampling = common_pb2.SamplingParams()
+    values = locals()
+    for name in _SAMPLING:
+        if values[name] is not None:
+            setattr(sampling, name, values[name])
+    stopping = generation_pb2.StoppingParams(stop=list(stop), stop_token_ids=list(stop_token_ids))
+    if max_tokens is not None:
+        stopping.max_tokens = max_tokens
+    if min_tokens is not None:
+        stopping.min_tokens = min_tokens
+    if ignore_eos is not None:
+        stopping.ignore_eos = ignore_eos
+    if include_stop is not None:
+        stopping.include_stop_str_in_output = include_stop
+    output = generation_pb2.OutputOptions()
+    if logprobs is not None:
+        output.logprobs = logprobs
+    if skip_special_tokens is not None:
+        output.skip_special_tokens = skip_special_tokens
+    req = generation_pb2.GenerateRequest(
+        model=model,
+        sampling=sampling,
+        stopping=stopping,
+        output=output,
+        request_id=request_id or uuid.uuid4().hex,
+        priority=priority,
+    )
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+def deadline_of(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]

@@ -1,0 +1,247 @@
+"""The asyncio client: the same calls as `Client`, awaited.
+
+```python
+from switchyard.client import AsyncClient
+
+async with AsyncClient("127.0.0.1:50051") as client:
+    stream = client.generate("tiny", "Hello", max_tokens=16)
+    async for chunk in stream:
+        print(chunk.text, end="")
+    print(stream.final.usage)
+```
+
+Leaving the `async for` early, or `await stream.aclose()`, cancels the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import Any
+
+import grpc
+from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+
+from switchyard.client._common import (
+    CHANNEL_OPTIONS,
+    Metadata,
+    RetryPolicy,
+    Tls,
+    deadline_of,
+    generate_request,
+    metadata,
+    remaining,
+)
+from switchyard.client.errors import from_rpc_error
+from switchyard.client.types import (
+    Chunk,
+    Completion,
+    Final,
+    ModelInfo,
+    Tokens,
+    chunk_of,
+    final_of,
+    logprobs_of,
+    model_of,
+)
+
+_EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
+
+
+class AsyncStream:
+    """The chunks of one generation; `final` once it has ended."""
+
+    def __init__(
+        self, start: Callable[[float | None], Any], deadline: float | None, retry: RetryPolicy
+    ) -> None:
+        self.final: Final | None = None
+        self._start = start
+        self._deadline = deadline
+        self._retry = retry
+        self._chunks = self._run()
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        return await self._chunks.__anext__()
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop listening; a generation still running is cancelled."""
+        await self._chunks.aclose()
+
+    async def _first(self) -> tuple[Any, Any]:
+        attempt = 0
+        while True:
+            call = self._start(remaining(self._deadline))
+            try:
+                msg = await call.read()
+                return call, None if msg is _EOF else msg
+            except grpc.aio.AioRpcError as e:
+                err = from_rpc_error(e)
+                wait = self._retry.delay(err, attempt, self._deadline)
+                if wait is None:
+                    raise err from None
+                await asyncio.sleep(wait)
+                attempt += 1
+
+    async def _run(self) -> AsyncGenerator[Chunk, None]:
+        call, msg = await self._first()
+        try:
+            while msg is not None:
+                if msg.HasField("final"):
+                    self.final = final_of(msg.final)
+                else:
+                    yield chunk_of(msg.chunk)
+                nxt = await call.read()
+                msg = None if nxt is _EOF else nxt
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            if self.final is None:
+                call.cancel()
+
+
+class AsyncClient:
+    """`Client`, for asyncio. Create it inside the event loop that uses it."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        tls: Tls | bool = False,
+        timeout: float | None = 60.0,
+        retry: RetryPolicy | None = None,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        self.address = address
+        self.token = token
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        if channel is None:
+            if tls:
+                creds = (tls if isinstance(tls, Tls) else Tls()).credentials()
+                channel = grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+            else:
+                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = channel
+        self._gen = generation_pb2_grpc.GenerationStub(channel)
+        self._admin = admin_pb2_grpc.AdminStub(channel)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close(None)
+
+    def _md(self, traceparent: str | None, extra: Sequence[tuple[str, str]]) -> Metadata:
+        return metadata(self.token, traceparent, extra)
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    async def _unary(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
+        try:
+            return await method(
+                request, timeout=self._timeout(timeout), metadata=self._md(None, ())
+            )
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e) from None
+
+    def generate(
+        self,
+        model: str,
+        prompt: str | Sequence[int],
+        *,
+        timeout: float | None = None,
+        traceparent: str | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+        **options: Any,
+    ) -> AsyncStream:
+        req = generate_request(model, prompt, **options)
+        md = self._md(traceparent, metadata)
+
+        def start(left: float | None) -> Any:
+            return self._gen.Generate(req, timeout=left, metadata=md)
+
+        return AsyncStream(start, deadline_of(self._timeout(timeout)), self.retry)
+
+    async def complete(
+        self,
+        model: str,
+        prompt: str | Sequence[int],
+        *,
+        timeout: float | None = None,
+        traceparent: str | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+        **options: Any,
+    ) -> Completion:
+        req = generate_request(model, prompt, **options)
+        md = self._md(traceparent, metadata)
+        deadline = deadline_of(self._timeout(timeout))
+        attempt = 0
+        while True:
+            try:
+                out = await self._gen.Complete(req, timeout=remaining(deadline), metadata=md)
+                return Completion(
+                    out.text, tuple(out.token_ids), final_of(out.final), logprobs_of(out.logprobs)
+                )
+            except grpc.aio.AioRpcError as e:
+                err = from_rpc_error(e)
+                wait = self.retry.delay(err, attempt, deadline)
+                if wait is None:
+                    raise err from None
+                await asyncio.sleep(wait)
+                attempt += 1
+
+    async def tokenize(
+        self,
+        model: str,
+        text: str,
+        *,
+        add_special_tokens: bool = True,
+        timeout: float | None = None,
+    ) -> Tokens:
+        req = generation_pb2.TokenizeRequest(
+            model=model, text=text, add_special_tokens=add_special_tokens
+        )
+        out = await self._unary(self._gen.Tokenize, req, timeout)
+        return Tokens(list(out.token_ids), list(out.tokens))
+
+    async def models(self, *, timeout: float | None = None) -> list[ModelInfo]:
+        out = await self._unary(self._gen.ListModels, generation_pb2.ListModelsRequest(), timeout)
+        return [model_of(m) for m in out.models]
+
+    async def workers(self, model: str = "", *, timeout: float | None = None) -> list[Any]:
+        req = admin_pb2.ListWorkersRequest(model=model)
+        return list((await self._unary(self._admin.ListWorkers, req, timeout)).workers)
+
+    async def load_model(self, spec: admin_pb2.ModelSpec, *, timeout: float | None = 600.0) -> Any:
+        req = admin_pb2.LoadModelRequest(spec=spec)
+        return await self._unary(self._admin.LoadModel, req, timeout)
+
+    async def unload_model(
+        self, name: str, *, grace_s: float | None = None, timeout: float | None = 600.0
+    ) -> Any:
+        req = admin_pb2.UnloadModelRequest(name=name)
+        if grace_s is not None:
+            req.grace_s = grace_s
+        return await self._unary(self._admin.UnloadModel, req, timeout)
+
+    async def drain(
+        self, address: str, *, grace_s: float | None = None, timeout: float | None = 600.0
+    ) -> Any:
+        req = admin_pb2.DrainWorkerRequest(address=address)
+        if grace_s is not None:
+            req.grace_s = grace_s
+        return await self._unary(self._admin.DrainWorker, req, timeout)

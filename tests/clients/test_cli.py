@@ -1,0 +1,92 @@
+"""The `switchyard` CLI, on the client library, against a real control plane with tokens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from control.fleet.supervisor import free_port
+from tests.procs import Proc, start_process, wait_serving
+
+TOKEN = "cli-test-secret-0123456789abc"
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    tmp = tmp_path_factory.mktemp("cli")
+    tokens = tmp / "tokens.yaml"
+    tokens.write_text(f"tokens: [{{name: cli, token: {TOKEN}, scopes: [generate, admin]}}]\n")
+    port = free_port()
+    config = tmp / "cli.yaml"
+    config.write_text(
+        f"listen: 127.0.0.1:{port}\nauth: {{tokens_file: {tokens}}}\nmodels:\n"
+        "  - {name: sim, engine: sim, model: builtin:tiny, replicas: 2}\n"
+    )
+    proc = start_process(["-m", "control", "serve", "--config", str(config)], port, tmp, "ctl")
+    try:
+        wait_serving(proc, "sim", timeout=120)
+        yield proc
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+
+
+def cli(plane: Proc, *args: str, token: str | None = TOKEN) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin"}
+    if token:
+        env["SWITCHYARD_TOKEN"] = token
+    return subprocess.run(
+        [sys.executable, "-m", "control", args[0], "--address", plane.address, *args[1:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+
+
+def test_generate_complete_tokenize_models(plane: Proc) -> None:
+    out = cli(plane, "generate", "--model", "sim", "--max-tokens", "5", "--ignore-eos", "Hi")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() and "[LENGTH] 5 tokens" in out.stderr
+    out = cli(plane, "complete", "--model", "sim", "--max-tokens", "3", "--ignore-eos", "Hi")
+    assert out.returncode == 0 and "[LENGTH] 3 tokens" in out.stderr, out.stderr
+    out = cli(plane, "tokenize", "--model", "sim", "Hello")
+    assert out.returncode == 0 and all(t.isdigit() for t in out.stdout.split()), out.stderr
+    out = cli(plane, "models")
+    assert out.returncode == 0 and out.stdout.startswith("sim\t"), out.stderr
+    assert "2/2 workers healthy" in out.stdout
+
+
+def test_errors_name_the_status_and_the_field(plane: Proc) -> None:
+    out = cli(plane, "generate", "--model", "sim", "--temperature", "-1", "Hi")
+    assert out.returncode == 1
+    assert "INVALID_ARGUMENT" in out.stderr and "sampling.temperature:" in out.stderr
+    out = cli(plane, "models", token=None)
+    assert out.returncode == 1 and "UNAUTHENTICATED" in out.stderr
+
+
+def test_admin_commands_show_progress(plane: Proc) -> None:
+    out = cli(plane, "workers", "--json")
+    assert out.returncode == 0, out.stderr
+    workers = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(workers) == 2 and all(w["model"] == "sim" for w in workers)
+    out = cli(
+        plane, "load", "extra", "--engine", "sim", "--model-path", "builtin:tiny",
+        "--engine-args", '{"decode_step_us": 500}',
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "loading extra ..." in out.stderr and "loading extra ... done in" in out.stderr
+    assert "extra: 1 workers serving" in out.stdout
+    out = cli(plane, "complete", "--model", "extra", "--max-tokens", "2", "--ignore-eos", "Hi")
+    assert out.returncode == 0, out.stderr
+    victim = workers[0]["address"]
+    out = cli(plane, "drain", victim, "--grace", "5")
+    assert out.returncode == 0 and f"{victim}: drained" in out.stdout, out.stderr
+    out = cli(plane, "unload", "extra", "--grace", "5")
+    assert out.returncode == 0 and "extra: unloaded" in out.stdout, out.stderr
+    out = cli(plane, "load", "bad", "--engine", "sim", "--model-path", "x", "--engine-args", "[")
+    assert out.returncode == 2 and "--engine-args" in out.stderr
