@@ -7,6 +7,7 @@ tracing: {otlp_endpoint: 127.0.0.1:4317}   # OTLP/gRPC; default: OTEL_EXPORTER_O
 tls: {cert: server.pem, key: server.key, client_ca: ca.pem}   # client_ca: mutual TLS
 auth: {tokens_file: tokens.yaml}   # bearer tokens (control/api/auth.py); reloaded on change
 api: {reflection: true, admin: true, max_message_bytes: 67108864}
+health: {listen: 0.0.0.0:50052}   # grpc.health.v1 alone, plaintext, for probes (kubelet)
 models:
   - name: tiny
     engine: vllm            # vllm | trtllm | sim (the C++ worker's simulator)
@@ -149,6 +150,9 @@ class ServeConfig:
     listen: str = DEFAULT_LISTEN
     models: tuple[ModelSpec, ...] = ()
     metrics_listen: str | None = None  # host:port of the Prometheus endpoint; None: off
+    # A plaintext port serving only grpc.health.v1, for probes that cannot speak TLS (the
+    # kubelet's); None: health is on the public port only.
+    health_listen: str | None = None
     otlp_endpoint: str | None = None  # where spans go (OTLP over gRPC); None: OTEL_* or off
     service_name: str = "switchyard-control"
     tls: TlsConfig | None = None
@@ -179,7 +183,9 @@ def load_config(path: Path) -> ServeConfig:
 def parse_config(raw: object) -> ServeConfig:
     if not isinstance(raw, dict):
         raise ConfigError("<root>", "expected a mapping with 'models'")
-    _no_unknown_keys(raw, {"listen", "models", "metrics", "tracing", "tls", "auth", "api"}, "")
+    _no_unknown_keys(
+        raw, {"listen", "models", "metrics", "tracing", "tls", "auth", "api", "health"}, ""
+    )
     listen = raw.get("listen", DEFAULT_LISTEN)
     if not isinstance(listen, str) or not _is_address(listen):
         raise ConfigError("listen", f"expected host:port, got {listen!r}")
@@ -191,6 +197,9 @@ def parse_config(raw: object) -> ServeConfig:
         not isinstance(metrics_listen, str) or not _is_address(metrics_listen, allow_zero=True)
     ):
         raise ConfigError("metrics.listen", f"expected host:port, got {metrics_listen!r}")
+    health_listen = _section(raw, "health", {"listen"}, "").get("listen")
+    if "health" in raw and (not isinstance(health_listen, str) or not _is_address(health_listen)):
+        raise ConfigError("health.listen", f"expected host:port, got {health_listen!r}")
     tracing = _section(raw, "tracing", {"otlp_endpoint", "service_name"}, "")
     otlp = tracing.get("otlp_endpoint")
     if otlp is not None and (not isinstance(otlp, str) or not _is_endpoint(otlp)):
@@ -223,6 +232,7 @@ def parse_config(raw: object) -> ServeConfig:
         listen=listen,
         models=tuple(models),
         metrics_listen=metrics_listen,
+        health_listen=health_listen,
         otlp_endpoint=otlp,
         service_name=service_name,
         tls=_tls(raw),

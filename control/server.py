@@ -112,6 +112,7 @@ class ControlPlane:
         self.port = 0
         self.metrics_port = 0  # where /metrics is served; 0: not served
         self._metrics_server: Any = None
+        self._health_server: grpc.aio.Server | None = None
         self._metrics_dir: str | None = None  # the routers' metrics, when they have any
 
     async def start(self) -> None:
@@ -153,6 +154,8 @@ class ControlPlane:
         log.info("listening", address=self.config.listen, health="NOT_SERVING until ready")
         if self.config.metrics_listen and self.router_of is None:
             self._serve_metrics(self.config.metrics_listen)
+        if self.config.health_listen and self.router_of is None:
+            await self._serve_health(self.config.health_listen)
         await asyncio.gather(*(self.loader.load(spec) for spec in self.config.models))
         if self.routers > 1:  # SERVING once every process serves
             listen = f"{self.config.listen.rpartition(':')[0]}:{self.port}"
@@ -232,6 +235,18 @@ class ControlPlane:
             if self.tokens.changed():
                 self.tokens.reload()
 
+    async def _serve_health(self, listen: str) -> None:
+        """grpc.health.v1 alone on a plaintext port: the same statuses as the public
+        port's, for probes that cannot present TLS or a token."""
+        self._health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        try:
+            bind(self._health_server, listen)
+        except OSError as e:
+            raise OSError(f"health.listen {listen}: {e}") from e
+        await self._health_server.start()
+        log.info("health", address=listen)
+
     def _serve_metrics(self, listen: str) -> None:
         """Prometheus text at /metrics on its own port, from a thread of its own: this
         process's metrics, its routers' and the per-worker gauges."""
@@ -302,6 +317,8 @@ class ControlPlane:
         await asyncio.gather(*(server.stop(grace) for server in self.servers))
         if self._private is not None:
             await self._private.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(None)
         await self.loader.stop_all()
         if self._metrics_server is not None:
             await asyncio.to_thread(self._metrics_server.shutdown)

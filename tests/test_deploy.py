@@ -80,9 +80,13 @@ def test_an_overlay_is_wired_together(overlay: str, tmp_path: Path) -> None:
         <= control["spec"]["template"]["metadata"]["labels"].items()
     )
 
-    # Probes: gRPC; ready when the model has a healthy worker (its health service name).
-    assert cp["readinessProbe"]["grpc"] == {"port": port(cp, "grpc"), "service": model["name"]}
-    assert cp["livenessProbe"]["grpc"]["service"] == "liveness"
+    # Probes: gRPC on the plaintext health port (the public one speaks TLS); ready when
+    # the model has a healthy worker (its health service name).
+    assert "tls" in config and int(config["health"]["listen"].rpartition(":")[2]) == port(
+        cp, "health"
+    )
+    assert cp["readinessProbe"]["grpc"] == {"port": port(cp, "health"), "service": model["name"]}
+    assert cp["livenessProbe"]["grpc"] == {"port": port(cp, "health"), "service": "liveness"}
 
     # Workers: found by the headless Service's DNS name, on the port they listen on.
     w = container(workers)

@@ -266,6 +266,12 @@ def test_prometheus_scrapes_one_plane_covering_both_engines(
         f'(switchyard_time_to_first_token_seconds_bucket{{{job},model="sim-tiny"}}))'
     )
     assert p50 is not None and 0 < p50 < 5
+    # What an operator's query returns (shown with pytest -s).
+    by_code = prom.query(f"sum by (model, rpc, code) (switchyard_requests_total{{{job}}})")
+    print("\nsum by (model, rpc, code) (switchyard_requests_total):")
+    for labels, value in sorted(by_code.items()):
+        print(f"  {dict(labels)} {value:g}")
+    print(f"TTFT p50 (sim-tiny) from the histogram: {p50:.4f} s")
 
 
 def test_cancellations_are_counted_by_cause(planes: tuple[Plane, Plane], prom: Prometheus) -> None:

@@ -55,6 +55,7 @@ class Secured:
     proc: Proc
     pki: Pki
     tokens: Path
+    health: str  # the plaintext health-only address
 
     def channel(self, cert: bytes | None = None, key: bytes | None = None) -> grpc.Channel:
         creds = grpc.ssl_channel_credentials(
@@ -83,17 +84,19 @@ def secured_config(tmp: Path, pki: Pki, tls_extra: str, rest: str) -> tuple[Path
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
     tmp = tmp_path_factory.mktemp("secured")
     pki = make_pki(tmp)
+    health = f"127.0.0.1:{free_port()}"
     tokens, port, config = secured_config(
         tmp,
         pki,
         f", client_ca: {pki.ca_file}",
+        f"health: {{listen: {health}}}\n"
         "api: {max_message_bytes: 65536}\n"
         + "models:\n"
         + SIM.format(name="sim")
         + SIM.format(name="sim-b"),
     )
     proc = start_process(["-m", "control", "serve", "--config", str(config)], port, tmp, "ctl")
-    s = Secured(proc, pki, tokens)
+    s = Secured(proc, pki, tokens, health)
     creds = grpc.ssl_channel_credentials(pki.ca, pki.client_key, pki.client_cert)
     try:
         wait_serving(proc, "sim-b", timeout=120, credentials=creds)
@@ -174,6 +177,23 @@ def test_tokens_scopes_and_models(secured: Secured) -> None:
             health_pb2.HealthCheckRequest(service="sim"), timeout=10
         )
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_probes_get_health_in_plaintext_on_their_own_port_and_nothing_else(
+    secured: Secured,
+) -> None:
+    with grpc.insecure_channel(secured.health) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for service in ("liveness", "sim", ""):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert status.status == health_pb2.HealthCheckResponse.SERVING, service
+        err = refused(
+            generation_pb2_grpc.GenerationStub(ch).Complete,
+            request(),
+            timeout=10,
+            metadata=bearer(GEN),
+        )
+        assert err.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_a_token_over_its_rate_hears_resource_exhausted_with_retry_info(secured: Secured) -> None:

@@ -173,6 +173,9 @@ def test_spans_link_the_caller_the_control_plane_and_the_vllm_worker(
     engine = by_name["llm_request"]  # vLLM's span, in the worker's process
     assert engine.parent_id == attempt.span_id
     assert engine.service != rpc.service
+    print(f"\ntrace {CALLER_TRACE} (caller's span {CALLER_SPAN}):")
+    for s in sorted(spans, key=lambda s: (s.parent_id != CALLER_SPAN, s.name)):
+        print(f"  {s.service:20} {s.name:28} span {s.span_id} parent {s.parent_id}")
 
 
 def test_a_failover_is_an_event_and_the_next_attempt_a_sibling(
