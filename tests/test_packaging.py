@@ -47,6 +47,8 @@ def test_wheel_carries_generated_stubs(tmp_path: Path) -> None:
         "control/api/generation.py",
         "switchyard_common/rpc_status.py",
         "pyworker/servicer.py",
+        "switchyard/__init__.py",
+        "switchyard/client/sync.py",  # the client library, beside the stubs it uses
     ):
         assert expected in names, f"{expected} missing from {wheel.name}"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))

@@ -7,6 +7,7 @@ Used at start-up for the configured models and by the Admin API at run time.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 from collections.abc import Coroutine
@@ -79,8 +80,18 @@ async def resolve(hostport: str) -> list[str]:
     return sorted(out)
 
 
+WORKER_SERVICE_NAME = "switchyard-vllm-worker"
+
+
 class ModelLoader:
     """Starts, joins, drains and stops the workers of models in a registry."""
+
+    def _worker_env(self, spec: ModelSpec) -> dict[str, str] | None:
+        """A traced vLLM worker's spans name their service (OpenTelemetry's
+        OTEL_SERVICE_NAME); otherwise the worker gets this process's environment."""
+        if self.otlp_endpoint is None or spec.engine != "vllm":
+            return None
+        return {**os.environ, "OTEL_SERVICE_NAME": WORKER_SERVICE_NAME}
 
     def __init__(
         self, registry: ModelRegistry, listen_host: str, otlp_endpoint: str | None = None
@@ -119,7 +130,13 @@ class ModelLoader:
                     cmd = worker_command(
                         spec, model_path, port, tokenizer, term, self.otlp_endpoint
                     )
-                    lw = LocalWorker(name, cmd, f"{self.worker_host}:{port}", termination_log=term)
+                    lw = LocalWorker(
+                        name,
+                        cmd,
+                        f"{self.worker_host}:{port}",
+                        termination_log=term,
+                        env=self._worker_env(spec),
+                    )
                     await lw.start()
                     local.append(lw)
                     addresses.append(lw.address)

@@ -25,6 +25,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from switchyard.v1 import generation_pb2, generation_pb2_grpc
 
 from control.fleet.supervisor import free_port
+from switchyard.client import Client
 from tests.procs import Proc, start_process, wait_serving, worker_pid
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -138,14 +139,15 @@ def test_spans_link_the_caller_the_control_plane_and_the_vllm_worker(
     )
     try:
         wait_serving(proc, "tiny")
-        with grpc.insecure_channel(proc.address) as ch:
-            stub = generation_pb2_grpc.GenerationStub(ch)
-            req = generation_pb2.GenerateRequest(
-                model="tiny",
-                text="Hello",
-                stopping=generation_pb2.StoppingParams(max_tokens=4, ignore_eos=True),
+        # Through the client library, which sends the traceparent it is given.
+        with Client(proc.address, timeout=60) as client:
+            out = client.complete(
+                "tiny",
+                "Hello",
+                max_tokens=4,
+                ignore_eos=True,
+                traceparent=f"00-{CALLER_TRACE}-{CALLER_SPAN}-01",
             )
-            out = stub.Complete(req, timeout=60, metadata=traced(CALLER_TRACE))
             assert out.final.usage.completion_tokens == 4
         spans = wait_for_spans(
             r,
@@ -172,7 +174,7 @@ def test_spans_link_the_caller_the_control_plane_and_the_vllm_worker(
     assert attempt.attributes["switchyard.tokens"] == 4
     engine = by_name["llm_request"]  # vLLM's span, in the worker's process
     assert engine.parent_id == attempt.span_id
-    assert engine.service != rpc.service
+    assert engine.service == "switchyard-vllm-worker"
     print(f"\ntrace {CALLER_TRACE} (caller's span {CALLER_SPAN}):")
     for s in sorted(spans, key=lambda s: (s.parent_id != CALLER_SPAN, s.name)):
         print(f"  {s.service:20} {s.name:28} span {s.span_id} parent {s.parent_id}")
