@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 from switchyard.v1 import generation_pb2, generation_pb2_grpc
 
 from control.fleet.supervisor import free_port
@@ -105,11 +107,12 @@ def wait_for_spans(
         time.sleep(0.1)
 
 
-def start(tmp: Path, name: str, models: str, endpoint: str) -> Proc:
+def start(tmp: Path, name: str, models: str, endpoint: str, extra: str = "") -> Proc:
     port = free_port()
     config = tmp / f"{name}.yaml"
     config.write_text(
-        f"listen: 127.0.0.1:{port}\ntracing: {{otlp_endpoint: {endpoint}}}\nmodels:\n{models}"
+        f"listen: 127.0.0.1:{port}\ntracing: {{otlp_endpoint: {endpoint}}}\n{extra}"
+        f"models:\n{models}"
     )
     # Exported within 0.1 s instead of OpenTelemetry's default 5 s, here and in the
     # workers the control plane starts (they inherit its environment).
@@ -185,6 +188,7 @@ def test_a_failover_is_an_event_and_the_next_attempt_a_sibling(
 ) -> None:
     r, endpoint = receiver
     trace_id = "0af7651916cd43dd8448eb211c80319c"
+    metrics = f"127.0.0.1:{free_port()}"
     proc = start(
         tmp_path,
         "sim",
@@ -195,6 +199,7 @@ def test_a_failover_is_an_event_and_the_next_attempt_a_sibling(
         "    routing: round_robin\n"
         "    engine_args: {decode_step_us: 3000}\n",
         endpoint,
+        f"metrics: {{listen: {metrics}}}\n",
     )
     try:
         wait_serving(proc, "sim", timeout=120)
@@ -221,6 +226,16 @@ def test_a_failover_is_an_event_and_the_next_attempt_a_sibling(
             assert time.monotonic() < deadline, spans
             time.sleep(0.1)
             spans = r.of_trace(trace_id)
+        # The metrics count it too: one failover (the worker was lost), which was a resume.
+        with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5) as page:
+            samples = {
+                (s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(page.read().decode())
+                for s in family.samples
+            }
+        failovers = ("switchyard_failovers_total", (("kind", "lost"), ("model", "sim")))
+        assert samples[failovers] == 1
+        assert samples[("switchyard_resumes_total", (("model", "sim"),))] == 1
     finally:
         assert proc.stop() == 0, proc.log_tail()
     rpc = next(s for s in spans if s.name == "switchyard.Generate")
