@@ -22,6 +22,7 @@ models:
     discovery: {dns: workers.example:7001, interval_s: 10}   # every address behind a name
     worker_stream: true     # share one GenerateStream per worker (when it offers one)
     worker_tls: {ca: ca.pem, cert: client.pem, key: client.key, server_name: workers}
+    chat_template: chat.jinja   # a file or the template itself; default: the tokenizer's
 ```
 """
 
@@ -129,6 +130,7 @@ class ModelSpec:
     dns_interval_s: float = 10.0
     worker_stream: bool = True  # one GenerateStream per worker instead of a call per request
     worker_tls: WorkerTls | None = None  # TLS to the workers; None: plaintext
+    chat_template: str | None = None  # Jinja, for `messages` prompts; None: the tokenizer's
 
     @property
     def is_builtin(self) -> bool:
@@ -279,6 +281,7 @@ def parse_model(m: object, key: str) -> ModelSpec:
             "discovery",
             "worker_stream",
             "worker_tls",
+            "chat_template",
         },
         key,
     )
@@ -362,7 +365,22 @@ def parse_model(m: object, key: str) -> ModelSpec:
         dns_interval_s=_number(discovery, "interval_s", 10.0, f"{key}.discovery"),
         worker_stream=worker_stream,
         worker_tls=_worker_tls(m, key),
+        chat_template=_chat_template(m.get("chat_template"), f"{key}.chat_template"),
     )
+
+
+def _chat_template(value: object, key: str) -> str | None:
+    """A template file's text, or the template given inline."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(key, "expected a Jinja chat template, or a file holding one")
+    if "{" not in value:  # no template syntax: a path
+        try:
+            return Path(value).read_text()
+        except OSError as e:
+            raise ConfigError(key, f"cannot read the template file {value!r}: {e.strerror}") from e
+    return value
 
 
 def _worker_tls(m: dict[str, Any], key: str) -> WorkerTls | None:

@@ -85,3 +85,8 @@ class Unauthenticated(SwitchyardError):
 
 class PermissionDenied(SwitchyardError):
     """A known token without the scope, or the model, that the call needs."""
+
+
+class FailedPrecondition(SwitchyardError):
+    """The request needs something the model does not have (a chat template, a feature
+    its engine lacks); the message names what."""

@@ -21,10 +21,16 @@ log = structlog.get_logger(__name__)
 
 TINY_MODEL_NAME = "tiny"
 # Bump when the recipe changes, so a stale cache is not reused.
-_RECIPE_VERSION = "1"
+_RECIPE_VERSION = "2"  # 2: a chat template
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
+# A plain chat template (the tiny vocabulary has no turn markers): "role: content" lines,
+# then "assistant:" when a reply is wanted.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 _CORPUS = [
     "Switchyard routes every request to the worker that can serve it best.",
@@ -117,6 +123,7 @@ def _write_tokenizer(out: Path) -> tuple[int, int, int]:
                 "add_bos_token": True,
                 "model_max_length": TINY_CONFIG["max_position_embeddings"],
                 "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
             }
         )
     )

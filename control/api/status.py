@@ -9,6 +9,7 @@ import grpc
 
 from control.errors import (
     AlreadyExists,
+    FailedPrecondition,
     Internal,
     InvalidArgument,
     LoadFailed,
@@ -34,6 +35,7 @@ _CODES: dict[type[SwitchyardError], grpc.StatusCode] = {
     LoadFailed: grpc.StatusCode.FAILED_PRECONDITION,
     Internal: grpc.StatusCode.INTERNAL,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 

@@ -59,6 +59,8 @@ def router_config(listen: str, models: Sequence[tuple[ModelSpec, Sequence[str]]]
             },
             "worker_stream": spec.worker_stream,
         }
+        if spec.chat_template is not None:
+            m["chat_template"] = spec.chat_template
         if spec.worker_tls is not None:
             m["worker_tls"] = {
                 k: v for k, v in dataclasses.asdict(spec.worker_tls).items() if v is not None

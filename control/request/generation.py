@@ -115,6 +115,20 @@ async def encode_prompt(
     return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
 
 
+async def encode_chat(entry: ModelEntry, messages: Sequence[tuple[str, str]]) -> list[int]:
+    """A conversation's prompt ids: rendered with the model's chat template (the template
+    writes the special tokens it wants, so the tokenizer adds none)."""
+    tokenizer = entry.tokenizer
+
+    def render_and_encode() -> list[int]:
+        text = tokenizer.render_chat(messages, entry.spec.chat_template, entry.name)
+        return tokenizer.encode(text, False)
+
+    if sum(len(content) for _, content in messages) <= TOKENIZE_INLINE_MAX_CHARS:
+        return render_and_encode()
+    return await asyncio.to_thread(render_and_encode)
+
+
 async def run_generation(
     entry: ModelEntry,
     params: GenerationParams,
@@ -128,6 +142,8 @@ async def run_generation(
     deadline = None if time_remaining is None else time.monotonic() + time_remaining
     if params.prompt_ids is not None:
         prompt_ids = list(params.prompt_ids)
+    elif params.messages is not None:
+        prompt_ids = await encode_chat(entry, params.messages)
     else:
         assert params.prompt_text is not None
         prompt_ids = await encode_prompt(entry.tokenizer, params.prompt_text)

@@ -19,6 +19,8 @@ from control.errors import FieldViolation, InvalidArgument
 # Limits on what one request may ask for, checked before any work is done (README, "Limits").
 MAX_PROMPT_CHARS = 1_000_000  # prompt text; longer prompts cannot fit any served context
 MAX_PROMPT_TOKEN_IDS = 1_000_000  # prompt token ids
+MAX_CHAT_MESSAGES = 4096  # turns of a chat prompt (their text counts toward MAX_PROMPT_CHARS)
+MAX_ROLE_CHARS = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
@@ -54,9 +56,12 @@ class GenerationParams:
     logprobs: int | None
     skip_special_tokens: bool
     priority: int
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) of a chat prompt
 
     @property
     def prompt_field(self) -> str:
+        if self.messages is not None:
+            return "messages"
         return "text" if self.prompt_text is not None else "token_ids.ids"
 
 
@@ -120,8 +125,11 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
     which = req.WhichOneof("prompt")
     prompt_text: str | None = None
     prompt_ids: tuple[int, ...] | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
     if which is None:
-        v.append(FieldViolation("prompt", "required: set either text or token_ids"))
+        v.append(FieldViolation("prompt", "required: set text, token_ids or messages"))
+    elif which == "messages":
+        messages = _parse_messages(req, v)
     elif which == "text":
         prompt_text = req.text
         if not prompt_text:
@@ -204,7 +212,36 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
         if out.HasField("skip_special_tokens")
         else True,
         priority=req.priority,
+        messages=messages,
     )
+
+
+def _parse_messages(
+    req: generation_pb2.GenerateRequest, v: list[FieldViolation]
+) -> tuple[tuple[str, str], ...] | None:
+    turns = req.messages.messages
+    if not turns:
+        v.append(FieldViolation("messages.messages", "the conversation has no messages"))
+        return None
+    if len(turns) > MAX_CHAT_MESSAGES:
+        v.append(
+            FieldViolation("messages.messages", f"more than {MAX_CHAT_MESSAGES} ({len(turns)})")
+        )
+        return None
+    total = 0
+    for i, m in enumerate(turns):
+        if not m.role or len(m.role) > MAX_ROLE_CHARS or not m.role.isprintable():
+            v.append(
+                FieldViolation(
+                    f"messages.messages[{i}].role",
+                    f"expected a role such as user or assistant (1 to {MAX_ROLE_CHARS} "
+                    "printable characters)",
+                )
+            )
+        total += len(m.content)
+    if total > MAX_PROMPT_CHARS:
+        v.append(FieldViolation("messages.messages", f"longer than {MAX_PROMPT_CHARS} characters"))
+    return tuple((m.role, m.content) for m in turns)
 
 
 _FLOAT_RULES: tuple[tuple[str, float, float, bool, str], ...] = (

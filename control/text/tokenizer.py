@@ -12,6 +12,7 @@ from typing import Any
 
 import structlog
 
+from control.errors import FailedPrecondition, InvalidArgument
 from control.text.detokenizer import IncrementalDetokenizer
 
 log = structlog.get_logger(__name__)
@@ -52,6 +53,35 @@ class Tokenizer:
             return text
         out: str = self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return out
+
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self._hf, "chat_template", None)
+        return template if isinstance(template, str) and template else None
+
+    def render_chat(
+        self, messages: Sequence[tuple[str, str]], template: str | None, model: str
+    ) -> str:
+        """The prompt text of a conversation: `template` (the model's config's) or the
+        tokenizer's own chat template, with the generation prompt added. Raises
+        FailedPrecondition without a template, InvalidArgument when the template refuses
+        the conversation (roles that do not alternate, say)."""
+        template = template or self.chat_template
+        if template is None:
+            raise FailedPrecondition(
+                f"model {model!r} has no chat template (neither its tokenizer nor its "
+                "config's chat_template): send text or token_ids instead of messages"
+            )
+        conversation = [{"role": role, "content": content} for role, content in messages]
+        try:
+            text: str = self._hf.apply_chat_template(
+                conversation, chat_template=template, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # jinja2's TemplateError, or the template's raise_exception
+            raise InvalidArgument.one(
+                "messages", f"the chat template of {model!r} refused it: {e}"
+            ) from e
+        return text
 
     def tokens(self, ids: Sequence[int]) -> list[str]:
         out: list[str] = self._hf.convert_ids_to_tokens(list(ids))

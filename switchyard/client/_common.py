@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,9 +94,12 @@ def metadata(
     return md
 
 
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+
+
 def generate_request(
     model: str,
-    prompt: str | Sequence[int],
+    prompt: Prompt,
     *,
     max_tokens: int | None = None,
     min_tokens: int | None = None,
@@ -117,7 +120,9 @@ def generate_request(
     frequency_penalty: float | None = None,
     seed: int | None = None,
 ) -> generation_pb2.GenerateRequest:
-    """A `GenerateRequest`: `prompt` is text, or token ids. Unset values take the
+    """A `GenerateRequest`: `prompt` is text, token ids, or a conversation
+    (`[{"role": "user", "content": "Hi"}]`, rendered by the model's chat template on the
+    server). Unset values take the
     server's defaults. The request id is fixed here, so that retries keep it."""
     sampling = common_pb2.SamplingParams()
     values = locals()
@@ -148,8 +153,12 @@ def generate_request(
     )
     if isinstance(prompt, str):
         req.text = prompt
+    elif prompt and isinstance(prompt[0], Mapping):
+        for turn in prompt:
+            assert isinstance(turn, Mapping)
+            req.messages.messages.add(role=turn["role"], content=turn["content"])
     else:
-        req.token_ids.ids.extend(prompt)
+        req.token_ids.ids.extend(int(t) for t in prompt)  # type: ignore[arg-type]
     return req
 
 

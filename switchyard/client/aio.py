@@ -25,6 +25,7 @@ from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_
 from switchyard.client._common import (
     CHANNEL_OPTIONS,
     Metadata,
+    Prompt,
     RetryPolicy,
     Tls,
     deadline_of,
@@ -161,7 +162,7 @@ class AsyncClient:
     def generate(
         self,
         model: str,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         *,
         timeout: float | None = None,
         traceparent: str | None = None,
@@ -179,7 +180,7 @@ class AsyncClient:
     async def complete(
         self,
         model: str,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         *,
         timeout: float | None = None,
         traceparent: str | None = None,

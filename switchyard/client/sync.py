@@ -26,6 +26,7 @@ from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_
 from switchyard.client._common import (
     CHANNEL_OPTIONS,
     Metadata,
+    Prompt,
     RetryPolicy,
     Tls,
     deadline_of,
@@ -199,7 +200,7 @@ class Client:
     def generate(
         self,
         model: str,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         *,
         timeout: float | None = None,
         traceparent: str | None = None,
@@ -219,7 +220,7 @@ class Client:
     def complete(
         self,
         model: str,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         *,
         timeout: float | None = None,
         traceparent: str | None = None,

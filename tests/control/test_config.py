@@ -54,6 +54,8 @@ def test_full_model_spec(tmp_path: Path) -> None:
         ({"models": [model()], "auth": {"tokens": []}}, "auth.tokens"),
         ({"models": [model()], "api": {"admin": "no"}}, "api.admin"),
         ({"models": [model()], "health": {"listen": "50052"}}, "health.listen"),
+        ({"models": [model(chat_template="/no/chat.jinja")]}, "models[0].chat_template"),
+        ({"models": [model(chat_template=7)]}, "models[0].chat_template"),
         ({"models": [model()], "api": {"max_message_bytes": 0}}, "api.max_message_bytes"),
         ({"models": [model()], "tracing": {"otlp_endpoint": "nowhere"}}, "tracing.otlp_endpoint"),
         ({"models": [model(worker_tls={"ca": "/no/ca.pem"})]}, "models[0].worker_tls.ca"),
