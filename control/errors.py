@@ -89,4 +89,8 @@ class PermissionDenied(SwitchyardError):
 
 class FailedPrecondition(SwitchyardError):
     """The request needs something the model does not have (a chat template, a feature
-    its engine lacks); the message names what."""
+    its engine lacks); the message names what, and `field` the request's field."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(message)

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 import structlog
+from switchyard.v1 import common_pb2
 from switchyard.worker.v1 import worker_pb2
 
 from pyworker.engine import Engine
@@ -88,6 +89,8 @@ class WorkerServicer:
             max_num_tokens=info.max_num_tokens,
             gpu_memory_used_bytes=gpu.used_bytes,
             gpu_memory_total_bytes=gpu.total_bytes,
+            # What this worker passes on to vLLM today; more as the API grows.
+            capabilities=common_pb2.Capabilities(max_logprobs=info.max_logprobs, max_n=1),
         )
 
     async def StreamLoad(self, request: Any, context: Context) -> None:

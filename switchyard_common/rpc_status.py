@@ -36,8 +36,10 @@ def status_trailers(
     violations: Sequence[FieldViolation] = (),
     retry_after_s: float | None = None,
     resource: tuple[str, str] | None = None,
+    precondition: tuple[str, str, str] | None = None,
 ) -> Trailers:
-    """Trailing metadata carrying the rich status for `code` and `message`."""
+    """Trailing metadata carrying the rich status for `code` and `message`;
+    `precondition` is a PreconditionFailure's (type, subject, description)."""
     status = status_pb2.Status(code=rpc_code(code), message=message)
     if violations:
         bad = error_details_pb2.BadRequest(
@@ -58,6 +60,16 @@ def status_trailers(
         status.details.add().Pack(
             error_details_pb2.ResourceInfo(resource_type=kind, resource_name=name)
         )
+    if precondition is not None:
+        kind, subject, description = precondition
+        failure = error_details_pb2.PreconditionFailure(
+            violations=[
+                error_details_pb2.PreconditionFailure.Violation(
+                    type=kind, subject=subject, description=description
+                )
+            ]
+        )
+        status.details.add().Pack(failure)
     return ((DETAILS_KEY, status.SerializeToString()),)
 
 

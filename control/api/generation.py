@@ -205,6 +205,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
                 vocab_size=e.info.vocab_size,
                 healthy_workers=len(e.healthy_workers()),
                 workers=len(e.workers),
+                capabilities=e.info.capabilities.to_proto() if e.info.capabilities else None,
             )
             for e in self._registry.all()
             if _visible(e.name)

@@ -56,6 +56,9 @@ def to_rpc_status(err: SwitchyardError) -> tuple[grpc.StatusCode, str, Trailers]
         return code, message, status_trailers(code, message, violations=err.violations)
     if isinstance(err, Overloaded):
         return code, message, status_trailers(code, message, retry_after_s=err.retry_after_s)
+    if isinstance(err, FailedPrecondition) and err.field is not None:
+        precondition = ("capability", err.field, message)
+        return code, message, status_trailers(code, message, precondition=precondition)
     if isinstance(err, ModelNotFound):
         return code, message, status_trailers(code, message, resource=("model", err.model))
     return code, message, status_trailers(code, message)

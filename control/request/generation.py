@@ -26,6 +26,7 @@ from switchyard.v1 import common_pb2, generation_pb2
 from switchyard.worker.v1 import worker_pb2
 
 from control.errors import (
+    FailedPrecondition,
     FieldViolation,
     InvalidArgument,
     NoHealthyWorker,
@@ -115,6 +116,27 @@ async def encode_prompt(
     return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
 
 
+def check_capabilities(entry: ModelEntry, params: GenerationParams) -> None:
+    """Refuse, before any worker is called, what the model's engine cannot do (as its
+    workers declare it): FAILED_PRECONDITION for a missing feature, INVALID_ARGUMENT for
+    a value beyond the engine's own limit; both name the field and the engine."""
+    caps = entry.info.capabilities
+    if caps is None:  # workers from before capabilities: they judge for themselves
+        return
+    engine = f"model {entry.name!r} ({entry.info.label})"
+    if params.logprobs is not None and params.logprobs > caps.max_logprobs:
+        if caps.max_logprobs == 0:
+            raise FailedPrecondition(
+                f"output.logprobs: {engine} returns the sampled token's log probability only, "
+                f"not {params.logprobs} alternatives (ask for 0)",
+                field="output.logprobs",
+            )
+        raise InvalidArgument.one(
+            "output.logprobs",
+            f"{engine} returns at most {caps.max_logprobs} alternatives, got {params.logprobs}",
+        )
+
+
 async def encode_chat(entry: ModelEntry, messages: Sequence[tuple[str, str]]) -> list[int]:
     """A conversation's prompt ids: rendered with the model's chat template (the template
     writes the special tokens it wants, so the tokenizer adds none)."""
@@ -140,6 +162,7 @@ async def run_generation(
     """`budget`, when given, is charged the prompt plus max_tokens before admission
     (raising Overloaded beyond its rate) and gets back what was not generated."""
     deadline = None if time_remaining is None else time.monotonic() + time_remaining
+    check_capabilities(entry, params)
     if params.prompt_ids is not None:
         prompt_ids = list(params.prompt_ids)
     elif params.messages is not None:

@@ -11,10 +11,12 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from switchyard.v1 import common_pb2
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from control.workers import health
@@ -47,6 +49,45 @@ CHANNEL_OPTIONS = [
 
 
 @dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a worker's engine can do through the API (switchyard.v1.Capabilities)."""
+
+    max_logprobs: int = 0
+    prompt_logprobs: bool = False
+    structured_output: frozenset[str] = frozenset()
+    max_n: int = 1
+    beam_search: bool = False
+    lora: bool = False
+    max_loras: int = 0
+    max_lora_rank: int = 0
+
+    @classmethod
+    def of(cls, msg: Any) -> Capabilities:
+        return cls(
+            max_logprobs=msg.max_logprobs,
+            prompt_logprobs=msg.prompt_logprobs,
+            structured_output=frozenset(msg.structured_output),
+            max_n=max(1, msg.max_n),
+            beam_search=msg.beam_search,
+            lora=msg.lora,
+            max_loras=msg.max_loras,
+            max_lora_rank=msg.max_lora_rank,
+        )
+
+    def to_proto(self) -> common_pb2.Capabilities:
+        return common_pb2.Capabilities(
+            max_logprobs=self.max_logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            structured_output=sorted(self.structured_output),
+            max_n=self.max_n,
+            beam_search=self.beam_search,
+            lora=self.lora,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerInfo:
     engine: str
     engine_version: str
@@ -63,6 +104,7 @@ class WorkerInfo:
     kv_cache_dtype: str = ""
     kv_blocks_total: int = 0
     gpu_memory_total_bytes: int = 0
+    capabilities: Capabilities | None = None  # None: a worker that does not declare them
 
     @property
     def label(self) -> str:
@@ -186,6 +228,7 @@ class WorkerClient:
             kv_cache_dtype=r.kv_cache_dtype,
             kv_blocks_total=r.kv_blocks_total,
             gpu_memory_total_bytes=r.gpu_memory_total_bytes,
+            capabilities=Capabilities.of(r.capabilities) if r.HasField("capabilities") else None,
         )
         return self.info
 

@@ -56,7 +56,9 @@ class SwitchyardError(Exception):
         self.message = message
         if code is not None:
             self.code = code
-        self.violations = violations  # InvalidArgument: which fields, and why
+        # InvalidArgument: which fields, and why; FailedPrecondition: the fields that ask
+        # for what the model's engine lacks.
+        self.violations = violations
         self.retry_after_s = retry_after_s  # the server's RetryInfo, if it sent one
         self.resource = resource  # (type, name) of what was not found
 
@@ -133,10 +135,11 @@ def from_rpc_error(err: Any) -> SwitchyardError:
             continue
         status = status_pb2.Status.FromString(value)
         for detail in status.details:
-            bad, retry, info = (
+            bad, retry, info, precondition = (
                 error_details_pb2.BadRequest(),
                 error_details_pb2.RetryInfo(),
                 error_details_pb2.ResourceInfo(),
+                error_details_pb2.PreconditionFailure(),
             )
             if detail.Unpack(bad):
                 violations.extend(
@@ -146,6 +149,10 @@ def from_rpc_error(err: Any) -> SwitchyardError:
                 retry_after = retry.retry_delay.ToMilliseconds() / 1000.0
             elif detail.Unpack(info):
                 resource = (info.resource_type, info.resource_name)
+            elif detail.Unpack(precondition):  # what the model lacks, by request field
+                violations.extend(
+                    FieldViolation(v.subject, v.description) for v in precondition.violations
+                )
     cls = _BY_CODE.get(code, SwitchyardError)
     return cls(
         message,

@@ -220,6 +220,24 @@ def test_get_info(stub: Any, engine: str) -> None:
     assert info.vocab_size >= 512
     assert list(info.eos_token_ids) == [1]
     assert info.kv_block_size > 0
+    # What each engine declares it can do through the API.
+    caps = info.capabilities
+    assert info.HasField("capabilities") and caps.max_n == 1
+    assert caps.max_logprobs == (20 if engine == "vllm" else 0)
+    assert not caps.lora and not caps.beam_search and not caps.structured_output
+
+
+def test_logprobs_beyond_the_declared_limit_are_refused(stub: Any, engine: str) -> None:
+    limit = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5).capabilities.max_logprobs
+    req = worker_pb2.GenerateRequest(
+        request_id=f"lp-{engine}", prompt_token_ids=[5, 6], max_tokens=2, logprobs=limit + 1
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(req, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    req.request_id, req.logprobs = f"lp-ok-{engine}", limit
+    finals = [m.final for m in stub.Generate(req, timeout=30) if m.HasField("final")]
+    assert finals and finals[0].usage.completion_tokens == 2
 
 
 def _start_fresh(engine: str, tmp: Path, tiny_model_dir: Path) -> Proc:

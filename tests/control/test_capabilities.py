@@ -1,0 +1,69 @@
+"""Capabilities: each worker declares what its engine can do; ListModels shows it, and
+the control plane refuses what a model's engine cannot do before any worker is called,
+naming the field and the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from control.fleet.supervisor import free_port
+from switchyard.client import Client, FailedPrecondition, InvalidArgument
+from tests.procs import Proc, start_process, wait_serving
+
+
+@pytest.fixture(scope="module")
+def plane(
+    worker: Proc, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Proc]:
+    tmp = tmp_path_factory.mktemp("capabilities")
+    port = free_port()
+    config = tmp / "caps.yaml"
+    config.write_text(
+        f"listen: 127.0.0.1:{port}\nmodels:\n"
+        f"  - {{name: tiny, engine: vllm, model: {tiny_model_dir}, workers: [{worker.address}]}}\n"
+        "  - {name: sim, engine: sim, model: builtin:tiny}\n"
+    )
+    proc = start_process(["-m", "control", "serve", "--config", str(config)], port, tmp, "ctl")
+    try:
+        wait_serving(proc, "tiny", timeout=120)
+        wait_serving(proc, "sim", timeout=120)
+        yield proc
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+
+
+def test_list_models_shows_what_each_engine_can_do(plane: Proc) -> None:
+    import grpc
+    from switchyard.v1 import generation_pb2, generation_pb2_grpc
+
+    with grpc.insecure_channel(plane.address) as ch:
+        models = generation_pb2_grpc.GenerationStub(ch).ListModels(
+            generation_pb2.ListModelsRequest(), timeout=10
+        )
+    caps = {m.name: m.capabilities for m in models.models}
+    assert caps["tiny"].max_logprobs == 20 and caps["sim"].max_logprobs == 0
+    assert caps["tiny"].max_n == caps["sim"].max_n == 1
+
+
+def test_what_an_engine_lacks_is_refused_before_any_worker_naming_field_and_engine(
+    plane: Proc,
+) -> None:
+    with Client(plane.address, timeout=30) as client:
+        with pytest.raises(FailedPrecondition) as missing:
+            client.complete("sim", "Hello", max_tokens=2, logprobs=3)
+        assert [v.field for v in missing.value.violations] == ["output.logprobs"]
+        assert "'sim' (sim switchyard-sim 1)" in missing.value.message
+        # The same request on an engine that has it.
+        out = client.complete("tiny", "Hello", max_tokens=2, ignore_eos=True, logprobs=3)
+        assert len(out.logprobs) == 2 and all(len(lp.top) >= 3 for lp in out.logprobs)
+        # The sampled token's own log probability is what the simulator has.
+        out = client.complete("sim", "Hello", max_tokens=2, ignore_eos=True, logprobs=0)
+        assert len(out.logprobs) == 2
+        # Beyond what every engine takes: the same answer everywhere, before capabilities.
+        for model in ("tiny", "sim"):
+            with pytest.raises(InvalidArgument) as bad:
+                client.complete(model, "Hello", max_tokens=2, logprobs=21)
+            assert [v.field for v in bad.value.violations] == ["output.logprobs"]
