@@ -97,9 +97,13 @@ class ControlPlane:
         self.server = self.servers[0]
         # Where the routers reach the supervisor's Admin: loopback, whether or not the
         # public port serves Admin, with the same token checks.
-        self._private = (
-            grpc.aio.server(interceptors=interceptors) if routers > 1 and not router_of else None
-        )
+        self._private: grpc.aio.Server | None = None
+        if routers > 1 and router_of is None:
+            # Calls forwarded by a router were charged to their token's rate there.
+            private_checks = (
+                [AuthInterceptor(self.tokens, rate_limits=False)] if self.tokens else []
+            )
+            self._private = grpc.aio.server(interceptors=private_checks)
         self.pool: RouterPool | None = None
         self.forwarder: AdminForwarder | None = None
         self._background: set[asyncio.Task[None]] = set()

@@ -15,7 +15,8 @@ tokens:
 UNAUTHENTICATED for a missing or unknown token, PERMISSION_DENIED for a missing scope,
 RESOURCE_EXHAUSTED with RetryInfo beyond the token's request rate. The caller is then
 `current_caller()` for the servicer (same task as the handler), which checks the
-model and charges the token rate. Reflection needs any valid token.
+model and charges the token rate. Reflection needs any valid token. Rates are kept per
+process: with `--routers N` a token may use up to N times its rate in all.
 
 Tokens are looked up by the SHA-256 of what the caller sent, so the lookup's timing
 says nothing about the secrets. `TokenStore.reload()` (on SIGHUP, or when the file
@@ -25,7 +26,9 @@ no longer parses leaves the old table in place, with the error in the log.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import dataclasses
 import hashlib
 import re
 import time
@@ -72,6 +75,12 @@ class RateLimiter:
             _Bucket(requests_per_s, now, max(1.0, requests_per_s)) if requests_per_s else None
         )
         self._tokens = _Bucket(tokens_per_s, now, tokens_per_s) if tokens_per_s else None
+
+    def same_rates(self, other: RateLimiter) -> bool:
+        return (self.requests_per_s, self.tokens_per_s) == (
+            other.requests_per_s,
+            other.tokens_per_s,
+        )
 
     def take_request(self) -> float | None:
         """None if the call may go ahead, else the seconds to wait."""
@@ -225,12 +234,22 @@ class TokenStore:
         return callers
 
     def reload(self) -> bool:
-        """Read the file again; on an error keep the tokens there were."""
+        """Read the file again; on an error keep the tokens there were. A token whose
+        rates did not change keeps its buckets (a reload is no way to refill them)."""
         try:
-            self._callers = self._read()
+            callers = self._read()
         except ConfigError as e:
             log.error("tokens file not reloaded; the previous tokens stay", error=str(e))
+            with contextlib.suppress(OSError):  # reported once, not at every poll
+                self._mtime = self.path.stat().st_mtime
             return False
+        kept = {c.name: c.limiter for c in self._callers.values() if c.limiter is not None}
+        for digest, caller in callers.items():
+            old = kept.get(caller.name)
+            new = caller.limiter
+            if old is not None and new is not None and old.same_rates(new):
+                callers[digest] = dataclasses.replace(caller, limiter=old)
+        self._callers = callers
         log.info("tokens reloaded", path=str(self.path), tokens=len(self._callers))
         return True
 
@@ -252,8 +271,12 @@ class TokenStore:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    def __init__(self, store: TokenStore) -> None:
+    """`rate_limits=False` where the calls come through another process that charged
+    them already (the supervisor's private port, behind its routers)."""
+
+    def __init__(self, store: TokenStore, rate_limits: bool = True) -> None:
         self._store = store
+        self._rate_limits = rate_limits
 
     async def intercept_service(
         self,
@@ -270,7 +293,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 scope = next((s for p, s in _SCOPE_OF.items() if method.startswith(p)), "admin")
                 if scope not in caller.scopes:
                     raise PermissionDenied(f"token {caller.name!r} lacks the scope {scope!r}")
-                if caller.limiter is not None:
+                if self._rate_limits and caller.limiter is not None:
                     wait = caller.limiter.take_request()
                     if wait is not None:
                         raise Overloaded(

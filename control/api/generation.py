@@ -118,11 +118,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
                 code = status_code(e).name
                 await _abort(context, e)
             except (asyncio.CancelledError, GeneratorExit):
-                # The client went away (or its deadline passed) before the Final.
+                # The client went away, or its deadline passed, before the Final.
                 if not finished:
-                    code = "CANCELLED"
+                    left = context.time_remaining()
+                    expired = left is not None and left <= 0
+                    code = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
                     if entry is not None:
-                        entry.metrics.cancelled("client")
+                        entry.metrics.cancelled("deadline" if expired else "client")
                 raise
             except Exception as e:
                 code = "INTERNAL"

@@ -90,7 +90,7 @@ class FleetCollector(Collector):
                 gpu_used.add_metric(labels, load.gpu_memory_used_bytes)
                 in_flight.add_metric(labels, worker.in_flight)
                 report_age.add_metric(labels, now - load.updated if load.updated else -1.0)
-                current = worker.state()
+                current = worker.state(peek=True)
                 for s in WORKER_STATES:
                     state.add_metric([*labels, s], 1.0 if s == current else 0.0)
         return [

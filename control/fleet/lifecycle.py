@@ -91,7 +91,10 @@ class ModelLoader:
         OTEL_SERVICE_NAME); otherwise the worker gets this process's environment."""
         if self.otlp_endpoint is None or spec.engine != "vllm":
             return None
-        return {**os.environ, "OTEL_SERVICE_NAME": WORKER_SERVICE_NAME}
+        env = {**os.environ, "OTEL_SERVICE_NAME": WORKER_SERVICE_NAME}
+        if not self.otlp_endpoint.startswith("https://"):  # plaintext, as the endpoint's
+            env.setdefault("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "true")
+        return env
 
     def __init__(
         self, registry: ModelRegistry, listen_host: str, otlp_endpoint: str | None = None

@@ -127,6 +127,12 @@ class RouterPool:
             await self._stop(self._routers)
             self._routers = []
 
+    def _router_exited(self, pid: int) -> None:
+        """A router died (and may be restarted under a new pid): its gauges leave the
+        sums; its counters stay."""
+        if self.metrics_dir is not None:
+            mark_process_dead(pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+
     async def _stop(self, routers: list[LocalWorker]) -> None:
         await asyncio.gather(*(r.stop() for r in routers), return_exceptions=True)
         if self.metrics_dir is not None:  # their gauges leave the sums; counters stay
@@ -152,7 +158,9 @@ class RouterPool:
             env = router_env(self.metrics_dir) if self.metrics_dir is not None else None
             if self.internal_token is not None:
                 env = {**(env or os.environ), INTERNAL_TOKEN_ENV: self.internal_token}
-            router = LocalWorker(f"router-{i}", cmd, self.listen, env=env)
+            router = LocalWorker(
+                f"router-{i}", cmd, self.listen, env=env, on_exit=self._router_exited
+            )
             await router.start()
             routers.append(router)
             ready_files.append(ready)

@@ -13,7 +13,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import structlog
@@ -112,9 +112,11 @@ class LocalWorker:
         stable_s: float = 60.0,
         termination_log: Path | None = None,
         env: Mapping[str, str] | None = None,
+        on_exit: Callable[[int], None] | None = None,
     ) -> None:
         self.name = name
         self.env = dict(env) if env is not None else None  # None: this process's
+        self.on_exit = on_exit  # called with the pid of each process that ended
         self.termination_log = termination_log  # where the worker writes why it could not start
         self.cmd = list(cmd)
         self.address = address
@@ -166,6 +168,8 @@ class LocalWorker:
         while not self._stopping:
             assert self.proc is not None
             code = await self.proc.wait()
+            if self.on_exit is not None:
+                self.on_exit(self.proc.pid)
             if self._stopping:
                 return
             if time.monotonic() - self._started_at >= self.stable_s:

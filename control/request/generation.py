@@ -205,6 +205,7 @@ async def run_generation(
         raise
     finally:
         span.end()
+    run: _Run | None = None
     try:
         entry.metrics.prompt_tokens.inc(len(prompt_ids))
         run = _Run(entry, params, prompt_ids, max_tokens, deadline, final, trace)
@@ -220,8 +221,8 @@ async def run_generation(
         yield generation_pb2.GenerateResponse(final=final)
     finally:
         entry.admission.release()
-        if budget is not None:  # what it did not generate (all of it if it never ended)
-            budget.give_back_tokens(max_tokens - final.usage.completion_tokens)
+        if budget is not None:  # what it did not generate, however it ended
+            budget.give_back_tokens(max_tokens - (len(run.generated) if run else 0))
 
 
 def _record_final(entry: ModelEntry, final: generation_pb2.Final) -> None:
@@ -300,7 +301,6 @@ class _Run:
                 span.set_attribute("switchyard.worker", worker.address)
             except NoHealthyWorker as e:
                 span.set_attribute("switchyard.outcome", "no_healthy_worker")
-                span.end()
                 if self.generated:
                     raise NoHealthyWorker(
                         f"{e}; the stream stopped after {len(self.generated)} tokens"
@@ -314,7 +314,8 @@ class _Run:
                 if last_failure is not None and last_failure.kind is FailureKind.ENGINE:
                     raise WorkerFailed(last_failure.worker, f"{last_failure.message}; {e}") from e
                 raise
-            span.end()
+            finally:
+                span.end()
             structlog.contextvars.bind_contextvars(worker=worker.address)
             self.final.worker = worker.address
             failed: WorkerCallFailed | None = None

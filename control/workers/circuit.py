@@ -42,6 +42,12 @@ class CircuitBreaker:
             self._state = State.HALF_OPEN
         return self._state
 
+    def peek(self) -> State:
+        """The state, without moving OPEN to HALF_OPEN (for readers on other threads)."""
+        if self._state is State.OPEN and self._clock() >= self._open_until:
+            return State.HALF_OPEN
+        return self._state
+
     def allows_traffic(self) -> bool:
         return self.state is State.CLOSED
 

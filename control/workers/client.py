@@ -194,12 +194,14 @@ class WorkerClient:
     def waiting(self) -> int:
         return self.load.waiting
 
-    def state(self) -> str:
+    def state(self, peek: bool = False) -> str:
+        """closed, open, half_open, draining or not_serving; `peek` reads it without
+        changing the breaker (for the metrics thread)."""
         if self.draining:
             return "draining"
         if not self.serving:
             return "not_serving"
-        return self.breaker.state.value
+        return (self.breaker.peek() if peek else self.breaker.state).value
 
     async def check_serving(self, timeout: float = 2.0) -> bool:
         try:

@@ -30,9 +30,9 @@ _SAMPLING = (
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """Retries of a call that failed before its first token with RESOURCE_EXHAUSTED or
-    UNAVAILABLE: after the server's RetryInfo delay when it gave one, else after an
-    exponential backoff; both jittered, within the call's deadline."""
+    """Retries of a call that failed before its first token with UNAVAILABLE, or with
+    RESOURCE_EXHAUSTED and the server's RetryInfo: after that delay when the server gave
+    one, else after an exponential backoff; both jittered, within the call's deadline."""
 
     max_attempts: int = 5
     initial_backoff_s: float = 0.1
@@ -46,6 +46,8 @@ class RetryPolicy:
         """Seconds to wait before attempt `attempt + 1`, or None to give up."""
         if err.code not in self.retry_on or attempt + 1 >= self.max_attempts:
             return None
+        if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.retry_after_s is None:
+            return None  # not a busy server (one says when to come back): a size limit, say
         if err.retry_after_s is not None:
             wait = err.retry_after_s * self.rng.uniform(1.0, 1.25)
         else:

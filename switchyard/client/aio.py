@@ -10,7 +10,8 @@ async with AsyncClient("127.0.0.1:50051") as client:
     print(stream.final.usage)
 ```
 
-Leaving the `async for` early, or `await stream.aclose()`, cancels the call.
+`await stream.aclose()` (or `async with stream:`) cancels a generation still running;
+a stream left behind after a `break` is cancelled once it is dropped.
 """
 
 from __future__ import annotations
@@ -49,17 +50,30 @@ from switchyard.client.types import (
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
 
 
+class _Outcome:
+    """Where the stream's generator leaves the Final: a generator holding its stream
+    would make a cycle, and a dropped stream would cancel its call only when the garbage
+    collector came by."""
+
+    __slots__ = ("final",)
+
+    def __init__(self) -> None:
+        self.final: Final | None = None
+
+
 class AsyncStream:
-    """The chunks of one generation; `final` once it has ended."""
+    """The chunks of one generation; `final` once it has ended. `aclose()`, or dropping
+    it, cancels a generation still running."""
 
     def __init__(
         self, start: Callable[[float | None], Any], deadline: float | None, retry: RetryPolicy
     ) -> None:
-        self.final: Final | None = None
-        self._start = start
-        self._deadline = deadline
-        self._retry = retry
-        self._chunks = self._run()
+        self._outcome = _Outcome()
+        self._chunks = _run(start, deadline, retry, self._outcome)
+
+    @property
+    def final(self) -> Final | None:
+        return self._outcome.final
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -77,36 +91,45 @@ class AsyncStream:
         """Stop listening; a generation still running is cancelled."""
         await self._chunks.aclose()
 
-    async def _first(self) -> tuple[Any, Any]:
-        attempt = 0
-        while True:
-            call = self._start(remaining(self._deadline))
-            try:
-                msg = await call.read()
-                return call, None if msg is _EOF else msg
-            except grpc.aio.AioRpcError as e:
-                err = from_rpc_error(e)
-                wait = self._retry.delay(err, attempt, self._deadline)
-                if wait is None:
-                    raise err from None
-                await asyncio.sleep(wait)
-                attempt += 1
 
-    async def _run(self) -> AsyncGenerator[Chunk, None]:
-        call, msg = await self._first()
+async def _first(
+    start: Callable[[float | None], Any], deadline: float | None, retry: RetryPolicy
+) -> tuple[Any, Any]:
+    attempt = 0
+    while True:
+        call = start(remaining(deadline))
         try:
-            while msg is not None:
-                if msg.HasField("final"):
-                    self.final = final_of(msg.final)
-                else:
-                    yield chunk_of(msg.chunk)
-                nxt = await call.read()
-                msg = None if nxt is _EOF else nxt
+            msg = await call.read()
+            return call, None if msg is _EOF else msg
         except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e) from None
-        finally:
-            if self.final is None:
-                call.cancel()
+            err = from_rpc_error(e)
+            wait = retry.delay(err, attempt, deadline)
+            if wait is None:
+                raise err from None
+            await asyncio.sleep(wait)
+            attempt += 1
+
+
+async def _run(
+    start: Callable[[float | None], Any],
+    deadline: float | None,
+    retry: RetryPolicy,
+    outcome: _Outcome,
+) -> AsyncGenerator[Chunk, None]:
+    call, msg = await _first(start, deadline, retry)
+    try:
+        while msg is not None:
+            if msg.HasField("final"):
+                outcome.final = final_of(msg.final)
+            else:
+                yield chunk_of(msg.chunk)
+            nxt = await call.read()
+            msg = None if nxt is _EOF else nxt
+    except grpc.aio.AioRpcError as e:
+        raise from_rpc_error(e) from None
+    finally:
+        if outcome.final is None:
+            call.cancel()
 
 
 class AsyncClient:

@@ -10,8 +10,9 @@ with Client("127.0.0.1:50051") as client:
     print(stream.final.usage)
 ```
 
-A stream that its caller stops iterating (a `break`, an exception, `close()`, the end of
-a `with` block) cancels its call: the server aborts the engine request.
+A stream closed (`close()`, the end of a `with` block) or dropped (a `break` out of a
+loop over it, with no other reference left) cancels its call: the server aborts the
+engine request.
 """
 
 from __future__ import annotations

@@ -96,3 +96,24 @@ def test_caller_over_its_token_rate_is_overloaded_with_a_delay(tmp_path: Path) -
     with pytest.raises(Overloaded) as e:
         caller.take_tokens(1)
     assert e.value.retry_after_s > 0 and "10 tokens per second" in str(e.value)
+
+
+def test_a_reload_keeps_a_tokens_buckets_unless_its_rates_change(tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    entry = f"{{name: a, token: {SECRET}, scopes: [generate], rate_limit: {{requests_per_s: 1}}}}"
+    path.write_text(f"tokens: [{entry}]\n")
+    store = TokenStore(path)
+    first = store.lookup(SECRET)
+    assert first is not None and first.limiter is not None
+    assert first.limiter.take_request() is None
+    assert first.limiter.take_request() is not None  # empty for a second
+    path.write_text(f"tokens: [{entry}, {{name: b, token: b-{SECRET}, scopes: [admin]}}]\n")
+    assert store.reload()
+    again = store.lookup(SECRET)
+    assert again is not None and again.limiter is first.limiter  # still empty: no refill
+    assert again.limiter.take_request() is not None
+    path.write_text(f"tokens: [{entry.replace('requests_per_s: 1', 'requests_per_s: 5')}]\n")
+    assert store.reload()
+    changed = store.lookup(SECRET)
+    assert changed is not None and changed.limiter is not first.limiter
+    assert changed.limiter is not None and changed.limiter.take_request() is None

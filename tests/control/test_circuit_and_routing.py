@@ -98,3 +98,13 @@ def test_prefix_affinity_falls_back_when_the_preferred_worker_is_busy() -> None:
 def test_unknown_policy() -> None:
     with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
         make_policy("fastest")
+
+
+def test_peek_reads_the_breaker_without_moving_it() -> None:
+    now = [0.0]
+    breaker = CircuitBreaker(failure_threshold=1, open_s=1.0, clock=lambda: now[0])
+    breaker.record_failure()
+    now[0] = 2.0
+    assert breaker.peek() is State.HALF_OPEN
+    assert breaker._state is State.OPEN  # not moved by the look
+    assert breaker.state is State.HALF_OPEN

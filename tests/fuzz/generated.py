@@ -41,6 +41,8 @@ CLIENT_CODES = frozenset(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.StatusCode.DEADLINE_EXCEEDED,
         grpc.StatusCode.CANCELLED,
+        # What the model's engine lacks (capabilities), named as a field.
+        grpc.StatusCode.FAILED_PRECONDITION,
     }
 )
 
@@ -213,6 +215,13 @@ def check_status(err: grpc.RpcError, plan: Plan) -> None:
         assert fields and all(fields), "a violation without a field"
         for f in fields:
             assert f in details, f"the message does not name {f}: {details}"
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+        assert status is not None, "FAILED_PRECONDITION without a google.rpc.Status"
+        failure = error_details_pb2.PreconditionFailure()
+        assert any(d.Unpack(failure) for d in status.details), "no PreconditionFailure"
+        subjects = [v.subject for v in failure.violations]
+        assert subjects and all(s in details for s in subjects), details
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         assert plan.timeout_s < 1, f"DEADLINE_EXCEEDED with a {plan.timeout_s} s deadline"
     if code == grpc.StatusCode.CANCELLED:
