@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from switchyard.v1 import common_pb2, generation_pb2
+from switchyard.v1 import admin_pb2, common_pb2, generation_pb2
 
 from switchyard.client.errors import SwitchyardError
 
@@ -176,3 +176,25 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
+
+
+def tokenize_request(
+    model: str, text: str, add_special_tokens: bool
+) -> generation_pb2.TokenizeRequest:
+    return generation_pb2.TokenizeRequest(
+        model=model, text=text, add_special_tokens=add_special_tokens
+    )
+
+
+def unload_request(name: str, grace_s: float | None) -> admin_pb2.UnloadModelRequest:
+    req = admin_pb2.UnloadModelRequest(name=name)
+    if grace_s is not None:
+        req.grace_s = grace_s
+    return req
+
+
+def drain_request(address: str, grace_s: float | None) -> admin_pb2.DrainWorkerRequest:
+    req = admin_pb2.DrainWorkerRequest(address=address)
+    if grace_s is not None:
+        req.grace_s = grace_s
+    return req

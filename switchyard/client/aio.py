@@ -30,9 +30,12 @@ from switchyard.client._common import (
     RetryPolicy,
     Tls,
     deadline_of,
+    drain_request,
     generate_request,
     metadata,
     remaining,
+    tokenize_request,
+    unload_request,
 )
 from switchyard.client.errors import from_rpc_error
 from switchyard.client.types import (
@@ -42,9 +45,10 @@ from switchyard.client.types import (
     ModelInfo,
     Tokens,
     chunk_of,
+    completion_of,
     final_of,
-    logprobs_of,
     model_of,
+    tokens_of,
 )
 
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
@@ -217,9 +221,7 @@ class AsyncClient:
         while True:
             try:
                 out = await self._gen.Complete(req, timeout=remaining(deadline), metadata=md)
-                return Completion(
-                    out.text, tuple(out.token_ids), final_of(out.final), logprobs_of(out.logprobs)
-                )
+                return completion_of(out)
             except grpc.aio.AioRpcError as e:
                 err = from_rpc_error(e)
                 wait = self.retry.delay(err, attempt, deadline)
@@ -236,11 +238,9 @@ class AsyncClient:
         add_special_tokens: bool = True,
         timeout: float | None = None,
     ) -> Tokens:
-        req = generation_pb2.TokenizeRequest(
-            model=model, text=text, add_special_tokens=add_special_tokens
-        )
+        req = tokenize_request(model, text, add_special_tokens)
         out = await self._unary(self._gen.Tokenize, req, timeout)
-        return Tokens(list(out.token_ids), list(out.tokens))
+        return tokens_of(out)
 
     async def models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         out = await self._unary(self._gen.ListModels, generation_pb2.ListModelsRequest(), timeout)
@@ -257,15 +257,11 @@ class AsyncClient:
     async def unload_model(
         self, name: str, *, grace_s: float | None = None, timeout: float | None = 600.0
     ) -> Any:
-        req = admin_pb2.UnloadModelRequest(name=name)
-        if grace_s is not None:
-            req.grace_s = grace_s
+        req = unload_request(name, grace_s)
         return await self._unary(self._admin.UnloadModel, req, timeout)
 
     async def drain(
         self, address: str, *, grace_s: float | None = None, timeout: float | None = 600.0
     ) -> Any:
-        req = admin_pb2.DrainWorkerRequest(address=address)
-        if grace_s is not None:
-            req.grace_s = grace_s
+        req = drain_request(address, grace_s)
         return await self._unary(self._admin.DrainWorker, req, timeout)

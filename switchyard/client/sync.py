@@ -31,9 +31,12 @@ from switchyard.client._common import (
     RetryPolicy,
     Tls,
     deadline_of,
+    drain_request,
     generate_request,
     metadata,
     remaining,
+    tokenize_request,
+    unload_request,
 )
 from switchyard.client.errors import SwitchyardError, from_rpc_error
 from switchyard.client.types import (
@@ -43,9 +46,10 @@ from switchyard.client.types import (
     ModelInfo,
     Tokens,
     chunk_of,
+    completion_of,
     final_of,
-    logprobs_of,
     model_of,
+    tokens_of,
 )
 
 T = TypeVar("T")
@@ -236,9 +240,7 @@ class Client:
         while True:
             try:
                 out = self._gen.Complete(req, timeout=remaining(deadline), metadata=md)
-                return Completion(
-                    out.text, tuple(out.token_ids), final_of(out.final), logprobs_of(out.logprobs)
-                )
+                return completion_of(out)
             except grpc.RpcError as e:
                 err: SwitchyardError = from_rpc_error(e)
                 wait = self.retry.delay(err, attempt, deadline)
@@ -255,11 +257,9 @@ class Client:
         add_special_tokens: bool = True,
         timeout: float | None = None,
     ) -> Tokens:
-        req = generation_pb2.TokenizeRequest(
-            model=model, text=text, add_special_tokens=add_special_tokens
-        )
+        req = tokenize_request(model, text, add_special_tokens)
         out = self._unary(self._gen.Tokenize, req, timeout)
-        return Tokens(list(out.token_ids), list(out.tokens))
+        return tokens_of(out)
 
     def models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         out = self._unary(self._gen.ListModels, generation_pb2.ListModelsRequest(), timeout)
@@ -290,15 +290,11 @@ class Client:
     def unload_model(
         self, name: str, *, grace_s: float | None = None, timeout: float | None = 600.0
     ) -> Any:
-        req = admin_pb2.UnloadModelRequest(name=name)
-        if grace_s is not None:
-            req.grace_s = grace_s
+        req = unload_request(name, grace_s)
         return self._unary(self._admin.UnloadModel, req, timeout)
 
     def drain(
         self, address: str, *, grace_s: float | None = None, timeout: float | None = 600.0
     ) -> Any:
-        req = admin_pb2.DrainWorkerRequest(address=address)
-        if grace_s is not None:
-            req.grace_s = grace_s
+        req = drain_request(address, grace_s)
         return self._unary(self._admin.DrainWorker, req, timeout)

@@ -116,3 +116,14 @@ def model_of(msg: Any) -> ModelInfo:
     return ModelInfo(
         msg.name, msg.engine, msg.max_context, msg.vocab_size, msg.healthy_workers, msg.workers
     )
+
+
+def completion_of(msg: Any) -> Completion:
+    """A CompleteResponse, typed."""
+    return Completion(
+        msg.text, tuple(msg.token_ids), final_of(msg.final), logprobs_of(msg.logprobs)
+    )
+
+
+def tokens_of(msg: Any) -> Tokens:
+    return Tokens(list(msg.token_ids), list(msg.tokens))
