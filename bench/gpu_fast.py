@@ -63,6 +63,7 @@ WAVES = 2
 CLIENTS = 6
 PROFILE_S = 10.0
 ROUTERS = (2, 4)  # router-only control planes beside the one process
+TWO_WORKER_ROUTERS = (4, 8)  # in front of two workers (68k tokens/s between them)
 if os.environ.get(SMOKE_ENV):  # a CPU check of the code paths (bench.gpu --smoke)
     FAST_SETTINGS = {**SETTINGS, "max_num_seqs": 64}
     LOAD, CLIENTS, PROFILE_S = 16, 2, 2.0
@@ -377,9 +378,13 @@ def two_workers(model: Path, out: Path) -> dict[str, Any]:
             log.info("run", system=combined["label"], tokens_per_s=round(combined["tokens_per_s"]))
             cpu = {"control": [proc.popen.pid]}
             _run(result, "control plane x1, two workers", "switchyard", cp, cpu)
-        with systems.control_plane(_remote("m", model, workers), logs, "routers-4", 4) as (rcp, rp):
-            rpids = [rp.popen.pid, *systems.descendants(rp.popen.pid)]
-            _run(result, "control plane x4, two workers", "switchyard", rcp, {"control": rpids})
+        for n in TWO_WORKER_ROUTERS:
+            remote = _remote("m", model, workers)
+            with systems.control_plane(remote, logs, f"routers-{n}", n) as (rcp, rp):
+                rpids = [rp.popen.pid, *systems.descendants(rp.popen.pid)]
+                label = f"control plane x{n}, two workers"
+                run = _run(result, label, "switchyard", rcp, {"control": rpids})
+                run["per_router_cpu_s"] = _per_process_cores(rpids)
     return result
 
 

@@ -332,18 +332,20 @@ def test_routers_are_added_up_in_one_scrape(planes: tuple[Plane, Plane], prom: P
         grpc.insecure_channel(routed.proc.address, options=[("grpc.use_local_subchannel_pool", 1)])
         for _ in range(16)
     ]
+    # One long stream: the control plane gives the counter its tokens in batches (64 at a
+    # time, the rest at the end), and all of them before the client sees the Final.
+    lengths = [150] + [4] * (len(channels) - 1)
     try:
-        for ch in channels:
-            assert (
-                stream_tokens(generation_pb2_grpc.GenerationStub(ch), request("sim-tiny", 4)) == 4
-            )
+        for ch, n in zip(channels, lengths, strict=True):
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            assert stream_tokens(stub, request("sim-tiny", n)) == n
     finally:
         for ch in channels:
             ch.close()
     samples = scrape(routed.metrics)
     key = (("code", "OK"), ("model", "sim-tiny"), ("rpc", "Generate"))
     assert samples["switchyard_requests_total"][key] == 16
-    assert samples["switchyard_generation_tokens_total"][(("model", "sim-tiny"),)] == 64
+    assert samples["switchyard_generation_tokens_total"][(("model", "sim-tiny"),)] == sum(lengths)
     # Prometheus takes the summed families (one HELP and TYPE each) as they are.
     wait_value(prom, 'up{job="routed"}', 1.0)
     wait_value(prom, 'switchyard_requests_total{job="routed",model="sim-tiny",code="OK"}', 16)
