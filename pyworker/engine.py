@@ -45,6 +45,8 @@ class EngineInfo:
     kv_cache_dtype: str = ""
     max_batch_size: int = 0
     max_num_tokens: int = 0
+    # The OutputConstraint kinds its structured-output backend takes (Capabilities).
+    structured_output: tuple[str, ...] = ()
 
 
 @dataclass
@@ -281,7 +283,24 @@ def engine_info(llm: Any, model: str) -> EngineInfo:
         kv_cache_dtype=weight_dtype if kv_dtype == "auto" else kv_dtype,
         max_batch_size=int(getattr(scheduler_config, "max_num_seqs", 0) or 0),
         max_num_tokens=int(getattr(scheduler_config, "max_num_batched_tokens", 0) or 0),
+        structured_output=_structured_output_kinds(vllm_config),
     )
+
+
+# vLLM's structured outputs (xgrammar, guidance or outlines, "auto" picks) take every kind
+# of OutputConstraint: a JSON schema, any JSON object, a regex, choices, a grammar.
+STRUCTURED_OUTPUT_KINDS = ("choice", "grammar", "json_object", "json_schema", "regex")
+
+
+def _structured_output_kinds(vllm_config: Any) -> tuple[str, ...]:
+    """None without a tokenizer (`skip_tokenizer_init`): the backends compile the
+    constraint against the vocabulary."""
+    config = getattr(vllm_config, "structured_outputs_config", None) or getattr(
+        vllm_config, "decoding_config", None
+    )
+    if config is None or vllm_config.model_config.skip_tokenizer_init:
+        return ()
+    return STRUCTURED_OUTPUT_KINDS
 
 
 def _eos_token_ids(llm: Any, model_config: Any) -> tuple[int, ...]:

@@ -267,7 +267,7 @@ class Generations:
     ) -> None:
         message = describe(exc)
         if completion_tokens == 0:
-            raise refusal(exc) from exc
+            raise refusal(exc, parsed.constraint_field) from exc
         log.error("engine failed mid-stream", request_id=state.request_id, error=message)
         await self._guard_abort(state)
         final = worker_pb2.Final(
@@ -399,13 +399,17 @@ def queue_ms(metrics: Any) -> float:
     return float(in_queue) * 1000.0 if in_queue else 0.0
 
 
-def refusal(exc: BaseException) -> WorkerError:
+def refusal(exc: BaseException, unnamed_field: str | None = None) -> WorkerError:
     """What the caller hears of an engine error before the request's first token: its
-    own fault naming the field, a full engine, or an engine failure."""
+    own fault naming the field (`unnamed_field` where vLLM names none), a full engine, or
+    an engine failure."""
     kind = classify(exc)
     message = describe(exc)
     if kind is InvalidArgument:
-        return InvalidArgument.field(client_field(exc), message)
+        field = client_field(exc)
+        if field == "request" and unnamed_field:
+            field = unnamed_field
+        return InvalidArgument.field(field, message)
     if kind is Overloaded:
         return Overloaded(f"the engine is full: {message}")
     return EngineFailure(f"engine error: {message}")

@@ -233,7 +233,7 @@ class StreamedRequest:
         if self._over:
             self._abort_then_release()
             return
-        error = refusal(exc)
+        error = refusal(exc, self._parsed.constraint_field)
         log.warning("generate failed", **log_ids(self.request_id, self._parsed), error=str(error))
         self._end()
         try:

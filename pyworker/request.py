@@ -37,6 +37,9 @@ class ParsedGenerate:
     # The caller's W3C trace context ({"traceparent": ..., "tracestate": ...}), for the
     # engine's spans and this worker's log lines; None when it sent none.
     trace_headers: dict[str, str] | None = None
+    # "constraint.<kind>" when the output is constrained: the field that vLLM's refusal of
+    # the request at add time is about (its structured-output errors name none).
+    constraint_field: str | None = None
 
     @property
     def trace_id(self) -> str | None:
@@ -81,6 +84,20 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
                 FieldViolation("logprobs", f"must be at most {info.max_logprobs}, got {logprobs}")
             )
     sampling_kwargs = _sampling_kwargs(request.sampling, violations)
+    constraint_field: str | None = None
+    if request.HasField("constraint"):
+        kind = request.constraint.WhichOneof("kind")
+        if kind is None or kind not in info.structured_output:
+            violations.append(
+                FieldViolation(
+                    f"constraint.{kind}" if kind else "constraint",
+                    "this engine does not take that structured-output kind "
+                    f"(it takes: {', '.join(info.structured_output) or 'none'})",
+                )
+            )
+        else:
+            constraint_field = f"constraint.{kind}"
+            sampling_kwargs.update(structured_output_kwargs(request.constraint, kind))
     if violations:
         raise InvalidArgument(violations)
 
@@ -109,7 +126,28 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
         priority=int(request.priority) if info.priority_scheduling else 0,
         stop_token_ids=frozenset(stop_token_ids),
         trace_headers=_trace_headers(request),
+        constraint_field=constraint_field,
     )
+
+
+def structured_output_kwargs(constraint: Any, kind: str) -> dict[str, Any]:
+    """The SamplingParams argument for an OutputConstraint: `structured_outputs=` a
+    StructuredOutputsParams (vLLM 0.11 on, 0.26 and 0.32 alike), `guided_decoding=` a
+    GuidedDecodingParams before that. The fields have the same names in both."""
+    from vllm import sampling_params as sp
+
+    value: Any
+    if kind == "choice":
+        value = list(constraint.choice.values)
+    elif kind == "json_object":
+        value = True
+    else:
+        value = str(getattr(constraint, kind))
+    fields: dict[str, Any] = {"json" if kind == "json_schema" else kind: value}
+    params_cls = getattr(sp, "StructuredOutputsParams", None)
+    if params_cls is not None:
+        return {"structured_outputs": params_cls(**fields)}
+    return {"guided_decoding": sp.GuidedDecodingParams(**fields)}
 
 
 def _check_prompt(prompt: list[int], info: EngineInfo, out: list[FieldViolation]) -> None:

@@ -90,7 +90,11 @@ class WorkerServicer:
             gpu_memory_used_bytes=gpu.used_bytes,
             gpu_memory_total_bytes=gpu.total_bytes,
             # What this worker passes on to vLLM today; more as the API grows.
-            capabilities=common_pb2.Capabilities(max_logprobs=info.max_logprobs, max_n=1),
+            capabilities=common_pb2.Capabilities(
+                max_logprobs=info.max_logprobs,
+                max_n=1,
+                structured_output=info.structured_output,
+            ),
         )
 
     async def StreamLoad(self, request: Any, context: Context) -> None:

@@ -3,8 +3,10 @@ The same primitives the benchmark uses (bench/systems.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -13,7 +15,7 @@ from bench.systems import Proc, start, wait_grpc_serving
 
 STARTUP_TIMEOUT_S = 300.0
 
-__all__ = ["Proc", "start_process", "wait_serving", "worker_pid"]
+__all__ = ["Proc", "serving_control", "start_process", "wait_serving", "worker_pid"]
 
 
 def wait_serving(
@@ -30,6 +32,23 @@ def start_process(
 ) -> Proc:
     """Start `executable args` (default: this Python) with its output in log_dir/name.log."""
     return start(name, [executable, *args], log_dir, f"127.0.0.1:{port}", log_level="info")
+
+
+@contextlib.contextmanager
+def serving_control(
+    log_dir: Path, port: int, models_yaml: str, *models: str, timeout: float = STARTUP_TIMEOUT_S
+) -> Iterator[Proc]:
+    """`switchyard serve` on 127.0.0.1:port with `models:` from `models_yaml` (the list's
+    lines), up once every one of `models` serves; stopped cleanly (exit 0) after."""
+    config = log_dir / "switchyard.yaml"
+    config.write_text(f"listen: 127.0.0.1:{port}\nmodels:\n{models_yaml}")
+    proc = start_process(["-m", "control", "serve", "--config", str(config)], port, log_dir, "ctl")
+    try:
+        for model in models:
+            wait_serving(proc, model, timeout=timeout)
+        yield proc
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
 
 
 def serve_startup_failure(config: Path, timeout: float = 280.0) -> str:

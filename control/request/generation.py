@@ -102,6 +102,8 @@ def build_worker_request(
     )
     if params.logprobs is not None:
         req.logprobs = params.logprobs
+    if params.constraint is not None:
+        req.constraint.CopyFrom(params.constraint.to_proto())
     return req
 
 
@@ -139,6 +141,14 @@ def check_capabilities(entry: ModelEntry, params: GenerationParams) -> None:
         raise InvalidArgument.one(
             "output.logprobs",
             f"{engine} returns at most {caps.max_logprobs} alternatives, got {params.logprobs}",
+        )
+    constraint = params.constraint
+    if constraint is not None and constraint.kind not in caps.structured_output:
+        takes = ", ".join(sorted(caps.structured_output)) or "none"
+        raise FailedPrecondition(
+            f"{constraint.field}: {engine} does not constrain its output by "
+            f"{constraint.kind} (structured output it takes: {takes})",
+            field=constraint.field,
         )
 
 

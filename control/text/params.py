@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from switchyard.v1 import generation_pb2
 
 from control.errors import FieldViolation, InvalidArgument
+from control.text.constraints import Constraint, parse_constraint
 
 # Limits on what one request may ask for, checked before any work is done (README, "Limits").
 MAX_PROMPT_CHARS = 1_000_000  # prompt text; longer prompts cannot fit any served context
@@ -57,6 +58,7 @@ class GenerationParams:
     skip_special_tokens: bool
     priority: int
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) of a chat prompt
+    constraint: Constraint | None = None  # structured output
 
     @property
     def prompt_field(self) -> str:
@@ -190,6 +192,8 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         v.append(FieldViolation("output.logprobs", f"at most {MAX_LOGPROBS}, got {logprobs}"))
 
+    constraint = parse_constraint(req.constraint, v) if req.HasField("constraint") else None
+
     request_id = req.request_id
     if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
         v.append(FieldViolation("request_id", f"at most {MAX_REQUEST_ID} printable characters"))
@@ -213,6 +217,7 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
         else True,
         priority=req.priority,
         messages=messages,
+        constraint=constraint,
     )
 
 

@@ -329,6 +329,52 @@ EngineConfig read_engine_config(const std::filesystem::path& engine_dir) {
   return c;
 }
 
+GuideVocabulary read_guide_vocabulary(const std::filesystem::path& tokenizer_dir) {
+  const auto path = tokenizer_dir / "tokenizer.json";
+  const std::string where = path.string();
+  if (!std::filesystem::exists(path)) {
+    throw EngineConfigError("--tokenizer", "no tokenizer.json in " + tokenizer_dir.string() +
+                                               " (structured output needs the fast tokenizer)");
+  }
+  GuideVocabulary out;
+  out.tokenizer_json = read_file(path, "tokenizer.json");
+  Json root;
+  try {
+    root = Json::parse(out.tokenizer_json);
+  } catch (const Json::parse_error& e) {
+    throw EngineConfigError(where, std::string("not valid JSON: ") + e.what());
+  }
+  std::vector<std::pair<std::int64_t, std::string>> tokens;
+  auto add = [&](const Json& id, const std::string& token, const std::string& key) {
+    if (!id.is_number_integer() || id.get<std::int64_t>() < 0 ||
+        id.get<std::int64_t>() > INT32_MAX) {
+      throw EngineConfigError(where + ": " + key, "expected a token id, got " + id.dump());
+    }
+    tokens.emplace_back(id.get<std::int64_t>(), token);
+  };
+  if (!root.is_object() || !root.contains("model") || !root.at("model").contains("vocab") ||
+      !root.at("model").at("vocab").is_object()) {
+    throw EngineConfigError(where + ": model.vocab", "missing (expected token -> id)");
+  }
+  for (const auto& [token, id] : root.at("model").at("vocab").items()) {
+    add(id, token, "model.vocab." + token);
+  }
+  if (root.contains("added_tokens") && root.at("added_tokens").is_array()) {
+    for (const auto& t : root.at("added_tokens")) {
+      if (!t.is_object() || !t.contains("content") || !t.at("content").is_string() ||
+          !t.contains("id")) {
+        throw EngineConfigError(where + ": added_tokens", "expected {content, id}, got " + t.dump());
+      }
+      add(t.at("id"), t.at("content").get<std::string>(), "added_tokens");
+    }
+  }
+  std::int64_t size = 0;
+  for (const auto& [id, _] : tokens) size = std::max(size, id + 1);
+  out.encoded_vocab.assign(static_cast<std::size_t>(size), "");
+  for (auto& [id, token] : tokens) out.encoded_vocab[static_cast<std::size_t>(id)] = std::move(token);
+  return out;
+}
+
 std::optional<std::int32_t> gpus_from_cuda_visible_devices(const char* value) {
   if (value == nullptr) return std::nullopt;
   std::string s(value);

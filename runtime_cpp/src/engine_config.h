@@ -74,6 +74,17 @@ EngineConfig read_engine_config(const std::filesystem::path& engine_dir);
 // unreadable.
 std::vector<TokenId> read_generation_config_eos(const std::filesystem::path& dir);
 
+// What guided decoding (structured output) needs of the tokenizer: every token's string in
+// id order, and tokenizer.json itself (from which xgrammar learns how tokens encode bytes).
+struct GuideVocabulary {
+  std::vector<std::string> encoded_vocab;  // index = token id; "" for an unused id
+  std::string tokenizer_json;
+};
+
+// Reads DIR/tokenizer.json (a Hugging Face fast tokenizer): model.vocab and added_tokens.
+// Throws EngineConfigError naming the file and the key when it is missing or malformed.
+GuideVocabulary read_guide_vocabulary(const std::filesystem::path& tokenizer_dir);
+
 // What the worker was told and what the machine has.
 struct EngineChecks {
   std::optional<std::string> runtime_version;  // TensorRT-LLM's own, or --trtllm-version

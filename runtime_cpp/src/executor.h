@@ -30,6 +30,14 @@ struct SamplingOptions {
   std::int32_t min_tokens = 0;
 };
 
+// Structured output, as TensorRT-LLM's GuidedDecodingParams takes it (a choice among
+// strings arrives as a regex that matches exactly those strings).
+struct Guide {
+  enum class Kind : std::uint8_t { kJsonObject, kJsonSchema, kRegex, kGrammar };
+  Kind kind = Kind::kJsonObject;
+  std::string text;  // the schema, regex or EBNF grammar; "" for kJsonObject
+};
+
 // One generation, in token ids. Mirrors what tensorrt_llm::executor::Request takes.
 struct GenRequest {
   Tokens prompt;
@@ -43,6 +51,7 @@ struct GenRequest {
   bool return_logprobs = false;
   std::optional<std::chrono::milliseconds> allotted_time;  // then kTimedOut
   std::int32_t priority = 0;
+  std::optional<Guide> guide;
 };
 
 enum class FinishReason : std::uint8_t {
@@ -99,6 +108,8 @@ struct EngineInfo {
   std::int32_t max_input_len = 0;    // longest prompt; max_context where not separate
   std::int32_t max_batch_size = 0;
   std::int32_t max_num_tokens = 0;
+  // The OutputConstraint kinds the engine takes (GetInfo capabilities); none by default.
+  std::vector<std::string> structured_output;
 };
 
 // Memory on the GPUs an executor uses, at the time of the call; zeros without GPUs.

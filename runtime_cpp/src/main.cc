@@ -67,6 +67,7 @@ const char* kUsage =
     "    [--max-tokens-in-kv-cache N] [--enable-kv-cache-reuse 1]\n"
     "    [--scheduler-policy guaranteed_no_evict|max_utilization]\n"
     "    [--executor-worker PATH] [--gpus-visible N] [--trtllm-version MAJOR.MINOR]\n"
+    "    [--structured-output 1] (with --tokenizer: guided decoding by xgrammar)\n"
     "  switchyard-cpp-worker --check-engine ENGINE_DIR [trtllm flags]: read and check the\n"
     "    engine directory, print what GetInfo would report as JSON, exit 0 (or 2: the field)\n";
 
@@ -182,6 +183,9 @@ std::unique_ptr<Executor> make_executor(const Args& a) {
     o.enable_block_reuse = a.num("enable-kv-cache-reuse", 1) != 0;
     o.scheduler_policy = a.get("scheduler-policy", o.scheduler_policy);
     o.worker_executable = a.get("executor-worker", SWITCHYARD_TRTLLM_EXECUTOR_WORKER);
+    if (a.kv.count("tokenizer") && a.num("structured-output", 1) != 0) {
+      o.guide_vocabulary = switchyard::rt::read_guide_vocabulary(a.get("tokenizer", ""));
+    }
     log("engine", switchyard::rt::to_json(o.engine));
     return std::make_unique<switchyard::rt::TrtllmExecutor>(o);
 #else

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string_view>
 
 namespace switchyard::rt {
 namespace {
@@ -14,7 +15,62 @@ bool bad(FieldError* e, std::string field, std::string message) {
 
 bool in_range(float v, float lo, float hi) { return std::isfinite(v) && v >= lo && v <= hi; }
 
+bool takes(const EngineInfo& info, const std::string& kind) {
+  return std::find(info.structured_output.begin(), info.structured_output.end(), kind) !=
+         info.structured_output.end();
+}
+
+std::string taken(const EngineInfo& info) {
+  std::string out;
+  for (const auto& k : info.structured_output) out += (out.empty() ? "" : ", ") + k;
+  return out.empty() ? "none" : out;
+}
+
+bool to_guide(const v1::OutputConstraint& c, const EngineInfo& info, Guide* out,
+              FieldError* error) {
+  using C = v1::OutputConstraint;
+  std::string kind;
+  switch (c.kind_case()) {
+    case C::kJsonSchema: kind = "json_schema"; break;
+    case C::kJsonObject: kind = "json_object"; break;
+    case C::kRegex: kind = "regex"; break;
+    case C::kChoice: kind = "choice"; break;
+    case C::kGrammar: kind = "grammar"; break;
+    case C::KIND_NOT_SET: return bad(error, "constraint", "set one of its kinds");
+  }
+  if (!takes(info, kind)) {
+    return bad(error, "constraint." + kind,
+               "this engine does not take that structured-output kind (it takes: " +
+                   taken(info) + ")");
+  }
+  switch (c.kind_case()) {
+    case C::kJsonSchema: *out = {Guide::Kind::kJsonSchema, c.json_schema()}; break;
+    case C::kJsonObject: *out = {Guide::Kind::kJsonObject, ""}; break;
+    case C::kRegex: *out = {Guide::Kind::kRegex, c.regex()}; break;
+    case C::kGrammar: *out = {Guide::Kind::kGrammar, c.grammar()}; break;
+    default: {
+      if (c.choice().values_size() == 0) {
+        return bad(error, "constraint.choice.values", "give at least one choice");
+      }
+      *out = {Guide::Kind::kRegex, choice_regex(c.choice().values())};
+    }
+  }
+  return true;
+}
+
 }  // namespace
+
+std::string choice_regex(const google::protobuf::RepeatedPtrField<std::string>& choices) {
+  std::string out = "(";
+  for (int i = 0; i < choices.size(); ++i) {
+    if (i > 0) out += '|';
+    for (char ch : choices.Get(i)) {
+      if (std::string_view("\\^$.|?*+()[]{}").find(ch) != std::string_view::npos) out += '\\';
+      out += ch;
+    }
+  }
+  return out + ")";
+}
 
 bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, double deadline_ms,
                     GenRequest* out, FieldError* error) {
@@ -115,6 +171,11 @@ bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, doub
     out->return_logprobs = true;
   }
   out->priority = in.priority();
+  if (in.has_constraint()) {
+    Guide guide;
+    if (!to_guide(in.constraint(), info, &guide, error)) return false;
+    out->guide = std::move(guide);
+  }
   if (deadline_ms >= 0) {
     out->allotted_time = std::chrono::milliseconds(static_cast<std::int64_t>(deadline_ms));
   }

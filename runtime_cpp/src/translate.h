@@ -11,6 +11,7 @@
 namespace switchyard::rt {
 
 namespace wv1 = ::switchyard::worker::v1;
+namespace v1 = ::switchyard::v1;
 
 struct FieldError {
   std::string field;
@@ -21,6 +22,10 @@ struct FieldError {
 // field. `deadline_ms` (< 0: none) becomes the allotted time.
 bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, double deadline_ms,
                     GenRequest* out, FieldError* error);
+
+// A regular expression that matches exactly one of `choices` (each taken literally): how a
+// choice constraint reaches an engine whose guides have no choice of their own.
+std::string choice_regex(const google::protobuf::RepeatedPtrField<std::string>& choices);
 
 // One EOS convention on the wire, vLLM's: a generation that ends on its end id streams the
 // end id as its last token, and it counts as a completion token. TensorRT-LLM's samplers

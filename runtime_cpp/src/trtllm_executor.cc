@@ -39,6 +39,14 @@ tle::ExecutorConfig executor_config(const TrtllmOptions& o) {
   // Only where the engine allows it (paged context FMHA into a paged KV cache).
   config.setEnableChunkedContext(e.enable_chunked_context);
   config.setIterStatsMaxIterations(1000);
+  if (o.guide_vocabulary) {
+    tle::GuidedDecodingConfig guided(tle::GuidedDecodingConfig::GuidedDecodingBackend::kXGRAMMAR,
+                                     o.guide_vocabulary->encoded_vocab,
+                                     o.guide_vocabulary->tokenizer_json,
+                                     std::vector<tle::TokenIdType>(e.eos_token_ids.begin(),
+                                                                   e.eos_token_ids.end()));
+    config.setGuidedDecodingConfig(guided);
+  }
   if (e.config.world_size > 1) {
     // Orchestrator mode: this process enqueues and awaits; TensorRT-LLM spawns one worker
     // process per rank (MPI), on devices 0..world-1 of those visible.
@@ -77,6 +85,17 @@ std::list<tle::VecTokens> word_list(const std::vector<Tokens>& words) {
   std::list<tle::VecTokens> out;
   for (const auto& w : words) out.emplace_back(w.begin(), w.end());
   return out;
+}
+
+tle::GuidedDecodingParams guided_decoding(const Guide& g) {
+  using Type = tle::GuidedDecodingParams::GuideType;
+  switch (g.kind) {
+    case Guide::Kind::kJsonObject: return tle::GuidedDecodingParams(Type::kJSON);
+    case Guide::Kind::kJsonSchema: return tle::GuidedDecodingParams(Type::kJSON_SCHEMA, g.text);
+    case Guide::Kind::kRegex: return tle::GuidedDecodingParams(Type::kREGEX, g.text);
+    case Guide::Kind::kGrammar: break;
+  }
+  return tle::GuidedDecodingParams(Type::kEBNF_GRAMMAR, g.text);
 }
 
 FinishReason from_trtllm(tle::FinishReason r) {
@@ -132,6 +151,7 @@ RequestId TrtllmExecutor::enqueue(const GenRequest& r) {
   if (!r.stop_words.empty()) request.setStopWords(word_list(r.stop_words));
   if (!r.bad_words.empty()) request.setBadWords(word_list(r.bad_words));
   if (r.allotted_time) request.setAllottedTimeMs(*r.allotted_time);
+  if (r.guide) request.setGuidedDecodingParams(guided_decoding(*r.guide));
   // Switchyard priorities are integers (higher first); TensorRT-LLM takes [0, 1].
   const float p = 0.5f + 0.05f * static_cast<float>(std::clamp(r.priority, -10, 10));
   request.setPriority(p);
@@ -250,6 +270,10 @@ EngineInfo TrtllmExecutor::info() const {
   i.engine_version = "TensorRT-LLM " + trtllm_runtime_version();
   i.model = options_.engine_dir;
   fill_engine_info(options_.engine, &i);
+  if (options_.guide_vocabulary) {
+    // TensorRT-LLM's guides: JSON, JSON schema, regex, EBNF; a choice goes as a regex.
+    i.structured_output = {"choice", "grammar", "json_object", "json_schema", "regex"};
+  }
   return i;
 }
 

@@ -33,6 +33,9 @@ struct TrtllmOptions {
   // Orchestrator mode (world size > 1): the executorWorker binary TensorRT-LLM spawns for
   // every rank; "" leaves TensorRT-LLM's default.
   std::string worker_executable;
+  // Structured output (GuidedDecodingConfig, xgrammar): the tokenizer's vocabulary, from
+  // --tokenizer; without it the worker declares no structured output and refuses a constraint.
+  std::optional<GuideVocabulary> guide_vocabulary;
 };
 
 // TensorRT-LLM's version as the library reports it ("1.0.0").

@@ -341,10 +341,12 @@ grpc::ServerUnaryReactor* WorkerService::GetInfo(grpc::CallbackServerContext* co
   response->set_max_batch_size(static_cast<std::uint32_t>(info_.max_batch_size));
   response->set_max_num_tokens(static_cast<std::uint32_t>(info_.max_num_tokens));
   // What this worker passes on to its engine: the sampled token's log probability (no
-  // top-n alternatives), one sample per request.
+  // top-n alternatives), one sample per request, and the structured output the engine
+  // was configured for.
   auto* caps = response->mutable_capabilities();
   caps->set_max_logprobs(0);
   caps->set_max_n(1);
+  for (const auto& kind : info_.structured_output) caps->add_structured_output(kind);
   // Known only once the engine has run where the engine sizes its cache at start-up.
   std::int32_t blocks = info_.kv_blocks_total;
   try {

@@ -271,5 +271,39 @@ TEST(EngineConfig, CudaVisibleDevices) {
   EXPECT_EQ(gpus_from_cuda_visible_devices("0,1,-1,2"), 2);  // CUDA stops at an invalid entry
 }
 
+using TokenizerDir = TempDir;
+
+TEST_F(TokenizerDir, GuideVocabularyIsEveryTokenInIdOrder) {
+  const std::string json = R"({"model": {"type": "BPE", "vocab": {"a": 0, "\u0120b": 2, "c": 1}},
+    "added_tokens": [{"id": 4, "content": "<|end|>", "special": true}]})";
+  write("tokenizer.json", json);
+  const GuideVocabulary v = read_guide_vocabulary(dir_);
+  EXPECT_EQ(v.encoded_vocab, (std::vector<std::string>{"a", "c", "\xC4\xA0" "b", "", "<|end|>"}));
+  EXPECT_EQ(v.tokenizer_json, json);  // xgrammar reads the byte encoding from it
+}
+
+TEST_F(TokenizerDir, GuideVocabularyProblemsNameTheFileAndKey) {
+  try {
+    read_guide_vocabulary(dir_);
+    FAIL() << "accepted a directory without tokenizer.json";
+  } catch (const EngineConfigError& e) {
+    EXPECT_EQ(e.field(), "--tokenizer");
+  }
+  write("tokenizer.json", R"({"model": {"type": "BPE", "vocab": {"a": -1}}})");
+  try {
+    read_guide_vocabulary(dir_);
+    FAIL() << "accepted a negative token id";
+  } catch (const EngineConfigError& e) {
+    EXPECT_EQ(e.field(), (dir_ / "tokenizer.json").string() + ": model.vocab.a");
+  }
+  write("tokenizer.json", R"({"model": {"type": "WordPiece"}})");
+  try {
+    read_guide_vocabulary(dir_);
+    FAIL() << "accepted a tokenizer without a vocabulary";
+  } catch (const EngineConfigError& e) {
+    EXPECT_EQ(e.field(), (dir_ / "tokenizer.json").string() + ": model.vocab");
+  }
+}
+
 }  // namespace
 }  // namespace switchyard::rt

@@ -227,5 +227,51 @@ TEST(Translate, PromptLongerThanTheEnginesInputLimitNamesTheField) {
   EXPECT_NE(err.message.find("max_input_len"), std::string::npos);
 }
 
+TEST(Translate, ConstraintsBecomeGuidesWhereTheEngineTakesThem) {
+  EngineInfo guided = info();
+  guided.structured_output = {"choice", "grammar", "json_object", "json_schema", "regex"};
+  auto in = valid();
+  in.mutable_constraint()->set_json_schema(R"({"type": "object"})");
+  GenRequest out;
+  FieldError err;
+  ASSERT_TRUE(to_gen_request(in, guided, -1, &out, &err)) << err.field << ": " << err.message;
+  ASSERT_TRUE(out.guide.has_value());
+  EXPECT_EQ(out.guide->kind, Guide::Kind::kJsonSchema);
+  EXPECT_EQ(out.guide->text, R"({"type": "object"})");
+
+  in.mutable_constraint()->set_json_object(true);
+  ASSERT_TRUE(to_gen_request(in, guided, -1, &out, &err));
+  EXPECT_EQ(out.guide->kind, Guide::Kind::kJsonObject);
+
+  // A choice is a regex of exactly those strings, each taken literally.
+  auto* choice = in.mutable_constraint()->mutable_choice();
+  choice->add_values("yes");
+  choice->add_values("a.b (c)|d");
+  ASSERT_TRUE(to_gen_request(in, guided, -1, &out, &err));
+  EXPECT_EQ(out.guide->kind, Guide::Kind::kRegex);
+  EXPECT_EQ(out.guide->text, R"((yes|a\.b \(c\)\|d))");
+
+  in.mutable_constraint()->set_grammar(R"(root ::= "a" | "b")");
+  ASSERT_TRUE(to_gen_request(in, guided, -1, &out, &err));
+  EXPECT_EQ(out.guide->kind, Guide::Kind::kGrammar);
+}
+
+TEST(Translate, AConstraintTheEngineDoesNotTakeNamesTheField) {
+  auto in = valid();
+  in.mutable_constraint()->set_regex("[a-z]+");
+  GenRequest out;
+  FieldError err;
+  EXPECT_FALSE(to_gen_request(in, info(), -1, &out, &err));  // no structured output
+  EXPECT_EQ(err.field, "constraint.regex");
+  EXPECT_NE(err.message.find("it takes: none"), std::string::npos) << err.message;
+
+  in.mutable_constraint()->Clear();
+  in.mutable_constraint();  // set, with no kind
+  EngineInfo guided = info();
+  guided.structured_output = {"regex"};
+  EXPECT_FALSE(to_gen_request(in, guided, -1, &out, &err));
+  EXPECT_EQ(err.field, "constraint");
+}
+
 }  // namespace
 }  // namespace switchyard::rt

@@ -3,12 +3,14 @@ the retry policy."""
 
 from __future__ import annotations
 
+import json
 import random
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from switchyard.v1 import admin_pb2, common_pb2, generation_pb2
@@ -121,11 +123,17 @@ def generate_request(
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     seed: int | None = None,
+    json_schema: Mapping[str, Any] | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
 ) -> generation_pb2.GenerateRequest:
     """A `GenerateRequest`: `prompt` is text, token ids, or a conversation
     (`[{"role": "user", "content": "Hi"}]`, rendered by the model's chat template on the
-    server). Unset values take the
-    server's defaults. The request id is fixed here, so that retries keep it."""
+    server). Structured output: at most one of `json_schema` (a dict or JSON text),
+    `json_object`, `regex`, `choice`, `grammar`. Unset values take the server's defaults.
+    The request id is fixed here, so that retries keep it."""
     sampling = common_pb2.SamplingParams()
     values = locals()
     for name in _SAMPLING:
@@ -153,6 +161,7 @@ def generate_request(
         request_id=request_id or uuid.uuid4().hex,
         priority=priority,
     )
+    _constrain(req, json_schema, json_object, regex, choice, grammar)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], Mapping):
@@ -162,6 +171,39 @@ def generate_request(
     else:
         req.token_ids.ids.extend(int(t) for t in prompt)  # type: ignore[arg-type]
     return req
+
+
+def _constrain(
+    req: generation_pb2.GenerateRequest,
+    json_schema: Mapping[str, Any] | str | None,
+    json_object: bool,
+    regex: str | None,
+    choice: Sequence[str] | None,
+    grammar: str | None,
+) -> None:
+    given = {
+        "json_schema": json_schema,
+        "json_object": json_object or None,
+        "regex": regex,
+        "choice": choice,
+        "grammar": grammar,
+    }
+    kinds = [name for name, value in given.items() if value is not None]
+    if len(kinds) > 1:
+        raise ValueError(f"give one structured-output constraint, not {' and '.join(kinds)}")
+    if not kinds:
+        return
+    c = req.constraint
+    if json_schema is not None:
+        c.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    elif json_object:
+        c.json_object = True
+    elif regex is not None:
+        c.regex = regex
+    elif choice is not None:
+        c.choice.values.extend(choice)
+    elif grammar is not None:
+        c.grammar = grammar
 
 
 def deadline_of(timeout: float | None) -> float | None:

@@ -224,7 +224,45 @@ def test_get_info(stub: Any, engine: str) -> None:
     caps = info.capabilities
     assert info.HasField("capabilities") and caps.max_n == 1
     assert caps.max_logprobs == (20 if engine == "vllm" else 0)
-    assert not caps.lora and not caps.beam_search and not caps.structured_output
+    assert not caps.lora and not caps.beam_search
+    # vLLM's structured outputs take every kind; the simulator takes none.
+    kinds = ["choice", "grammar", "json_object", "json_schema", "regex"]
+    assert list(caps.structured_output) == (kinds if engine == "vllm" else [])
+
+
+@pytest.mark.parametrize(
+    ("constraint", "check"),
+    [
+        (common_pb2.OutputConstraint(regex="[a-c]{2}-[0-9]"), r"[a-c]{2}-[0-9]"),
+        (common_pb2.OutputConstraint(choice=common_pb2.Choices(values=["one", "two"])), "one|two"),
+    ],
+)
+def test_structured_output_where_declared_and_refused_elsewhere(
+    stub: Any, engine: str, tiny_model_dir: Path, constraint: Any, check: str
+) -> None:
+    import re
+
+    from transformers import AutoTokenizer
+
+    kind = constraint.WhichOneof("kind")
+    declared = (
+        kind in stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5).capabilities.structured_output
+    )
+    req = worker_pb2.GenerateRequest(
+        request_id=f"so-{engine}-{kind}", prompt_token_ids=PROMPT, max_tokens=24,
+        sampling=common_pb2.SamplingParams(temperature=1.0, seed=7), constraint=constraint,
+    )  # fmt: skip
+    if not declared:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(req, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"constraint.{kind}" in (e.value.details() or "")
+        return
+    chunks, final = generate(stub, req)
+    ids = [t for c in chunks for t in c.token_ids]
+    assert final.finish_reason == FR.FINISH_REASON_STOP
+    text = AutoTokenizer.from_pretrained(str(tiny_model_dir)).decode(ids, skip_special_tokens=True)
+    assert re.fullmatch(check, text), text
 
 
 def test_logprobs_beyond_the_declared_limit_are_refused(stub: Any, engine: str) -> None:

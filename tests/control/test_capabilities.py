@@ -4,6 +4,7 @@ naming the field and the engine."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +47,21 @@ def test_list_models_shows_what_each_engine_can_do(plane: Proc) -> None:
     caps = {m.name: m.capabilities for m in models.models}
     assert caps["tiny"].max_logprobs == 20 and caps["sim"].max_logprobs == 0
     assert caps["tiny"].max_n == caps["sim"].max_n == 1
+    assert list(caps["tiny"].structured_output) == [
+        "choice", "grammar", "json_object", "json_schema", "regex",
+    ]  # fmt: skip
+    assert not caps["sim"].structured_output
+
+
+def test_structured_output_on_an_engine_without_it_is_refused_first(plane: Proc) -> None:
+    with Client(plane.address, timeout=30) as client:
+        for kind, value in (("regex", "[a-z]+"), ("choice", ["a", "b"]), ("json_object", True)):
+            with pytest.raises(FailedPrecondition) as refused:
+                client.complete("sim", "Hello", max_tokens=2, **{kind: value})
+            assert [v.field for v in refused.value.violations] == [f"constraint.{kind}"]
+            assert "(sim switchyard-sim 1)" in refused.value.message
+        out = client.complete("tiny", "Hi", max_tokens=8, regex="[a-c]{3}", temperature=1.0)
+        assert re.fullmatch("[a-c]{3}", out.text), out.text
 
 
 def test_what_an_engine_lacks_is_refused_before_any_worker_naming_field_and_engine(
