@@ -210,9 +210,10 @@ class Generations:
                     else:
                         token_ids = list(completion.token_ids)
                         if token_ids:
+                            chunk = worker_pb2.Chunk(token_ids=token_ids)
                             if first_token_at is None:
                                 first_token_at = time.monotonic()
-                            chunk = worker_pb2.Chunk(token_ids=token_ids)
+                                chunk.prompt_logprobs.extend(prompt_logprobs(parsed, out) or ())
                             if parsed.logprobs is not None and completion.logprobs:
                                 chunk.logprobs.extend(
                                     logprobs(token_ids, completion.logprobs, parsed.logprobs)
@@ -385,6 +386,14 @@ def logprobs(token_ids: list[int], positions: Iterable[Any], top_n: int) -> list
             )
         )
     return result
+
+
+def prompt_logprobs(parsed: ParsedGenerate, out: Any) -> list[Any] | None:
+    """The prompt's logprobs from the first output, when they were asked: one per prompt
+    token after the first (vLLM has None for the first, which nothing predicts)."""
+    if parsed.prompt_logprobs is None or not getattr(out, "prompt_logprobs", None):
+        return None
+    return logprobs(parsed.prompt_token_ids[1:], out.prompt_logprobs[1:], parsed.prompt_logprobs)
 
 
 def queue_ms(metrics: Any) -> float:

@@ -25,7 +25,14 @@ from switchyard.v1 import common_pb2
 from switchyard.worker.v1 import worker_pb2
 
 from pyworker.errors import EngineFailure, WorkerError
-from pyworker.generation import Generations, describe, logprobs, queue_ms, refusal
+from pyworker.generation import (
+    Generations,
+    describe,
+    logprobs,
+    prompt_logprobs,
+    queue_ms,
+    refusal,
+)
 from pyworker.load import InFlight
 from pyworker.request import ParsedGenerate, log_ids
 
@@ -35,7 +42,10 @@ log = structlog.get_logger(__name__)
 class EventSink(Protocol):
     """One attempt's messages on its session; none of these waits."""
 
-    def chunk(self, token_ids: list[int], logprobs: list[Any] | None) -> None: ...
+    def chunk(
+        self, token_ids: list[int], logprobs: list[Any] | None, prompt: list[Any] | None = None
+    ) -> None:
+        """`prompt`: the prompt's logprobs, with the first chunk when they were asked."""
 
     def final(self, final: Any) -> None: ...
 
@@ -185,12 +195,14 @@ class StreamedRequest:
         else:
             token_ids = list(completion.token_ids)
             if token_ids:
+                prompt_lps = None
                 if self._first_token_at is None:
                     self._first_token_at = time.monotonic()
+                    prompt_lps = prompt_logprobs(self._parsed, out)
                 lps = None
                 if self._parsed.logprobs is not None and completion.logprobs:
                     lps = logprobs(token_ids, completion.logprobs, self._parsed.logprobs)
-                self._sink.chunk(token_ids, lps)
+                self._sink.chunk(token_ids, lps, prompt_lps)
                 state.completion_tokens += len(token_ids)
                 self._last_token = token_ids[-1]
                 self._generations.count_tokens(len(token_ids))

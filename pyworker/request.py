@@ -40,6 +40,7 @@ class ParsedGenerate:
     # "constraint.<kind>" when the output is constrained: the field that vLLM's refusal of
     # the request at add time is about (its structured-output errors name none).
     constraint_field: str | None = None
+    prompt_logprobs: int | None = None  # top-n for each prompt token, in the first chunk
 
     @property
     def trace_id(self) -> str | None:
@@ -83,6 +84,16 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
             violations.append(
                 FieldViolation("logprobs", f"must be at most {info.max_logprobs}, got {logprobs}")
             )
+    prompt_logprobs: int | None = None
+    if request.HasField("prompt_logprobs"):
+        prompt_logprobs = int(request.prompt_logprobs)
+        if prompt_logprobs > info.max_logprobs:
+            violations.append(
+                FieldViolation(
+                    "prompt_logprobs",
+                    f"must be at most {info.max_logprobs}, got {prompt_logprobs}",
+                )
+            )
     sampling_kwargs = _sampling_kwargs(request.sampling, violations)
     constraint_field: str | None = None
     if request.HasField("constraint"):
@@ -114,6 +125,7 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
             stop_token_ids=stop_token_ids,
             ignore_eos=bool(request.ignore_eos),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             **sampling_kwargs,
         )
     except Exception as exc:  # vLLM's own checks, should ours miss one
@@ -127,6 +139,7 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
         stop_token_ids=frozenset(stop_token_ids),
         trace_headers=_trace_headers(request),
         constraint_field=constraint_field,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

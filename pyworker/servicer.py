@@ -93,6 +93,7 @@ class WorkerServicer:
             capabilities=common_pb2.Capabilities(
                 max_logprobs=info.max_logprobs,
                 max_n=1,
+                prompt_logprobs=True,
                 structured_output=info.structured_output,
             ),
         )

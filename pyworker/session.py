@@ -143,7 +143,13 @@ class Session:
 
     # ---- the pending message ---------------------------------------------------------
 
-    def _chunk(self, attempt_id: int, token_ids: list[int], logprobs: list[Any] | None) -> None:
+    def _chunk(
+        self,
+        attempt_id: int,
+        token_ids: list[int],
+        logprobs: list[Any] | None,
+        prompt: list[Any] | None = None,
+    ) -> None:
         if attempt_id not in self._live:
             return
         chunk = self._open_chunks.get(attempt_id)
@@ -155,6 +161,8 @@ class Session:
         chunk.token_ids.extend(token_ids)  # a request's consecutive chunks merge
         if logprobs:
             chunk.logprobs.extend(logprobs)
+        if prompt:
+            chunk.prompt_logprobs.extend(prompt)
         self._ready.set()
 
     def _final(self, attempt_id: int, final: Any) -> None:
@@ -212,8 +220,10 @@ class _EventSink:
         self._session = session
         self._attempt_id = attempt_id
 
-    def chunk(self, token_ids: list[int], logprobs: list[Any] | None) -> None:
-        self._session._chunk(self._attempt_id, token_ids, logprobs)
+    def chunk(
+        self, token_ids: list[int], logprobs: list[Any] | None, prompt: list[Any] | None = None
+    ) -> None:
+        self._session._chunk(self._attempt_id, token_ids, logprobs, prompt)
 
     def final(self, final: Any) -> None:
         self._session._final(self._attempt_id, final)

@@ -161,6 +161,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
                     texts.append(resp.chunk.text)
                     out.token_ids.extend(resp.chunk.token_ids)
                     out.logprobs.extend(resp.chunk.logprobs)
+                    out.prompt_logprobs.extend(resp.chunk.prompt_logprobs)
                 else:
                     out.final.CopyFrom(resp.final)
         out.text = "".join(texts)

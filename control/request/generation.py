@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
 import structlog
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from opentelemetry.trace import StatusCode
 from switchyard.v1 import common_pb2, generation_pb2
 from switchyard.worker.v1 import worker_pb2
@@ -104,6 +105,8 @@ def build_worker_request(
         req.logprobs = params.logprobs
     if params.constraint is not None:
         req.constraint.CopyFrom(params.constraint.to_proto())
+    if params.prompt_logprobs is not None:
+        req.prompt_logprobs = params.prompt_logprobs
     return req
 
 
@@ -141,6 +144,17 @@ def check_capabilities(entry: ModelEntry, params: GenerationParams) -> None:
         raise InvalidArgument.one(
             "output.logprobs",
             f"{engine} returns at most {caps.max_logprobs} alternatives, got {params.logprobs}",
+        )
+    wanted = params.prompt_logprobs
+    if wanted is not None and not caps.prompt_logprobs:
+        raise FailedPrecondition(
+            f"output.prompt_logprobs: {engine} does not return the prompt's log probabilities",
+            field="output.prompt_logprobs",
+        )
+    if wanted is not None and wanted > caps.max_logprobs:
+        raise InvalidArgument.one(
+            "output.prompt_logprobs",
+            f"{engine} returns at most {caps.max_logprobs} alternatives, got {wanted}",
         )
     constraint = params.constraint
     if constraint is not None and constraint.kind not in caps.structured_output:
@@ -285,6 +299,7 @@ class _Run:
         self.last_token_at = 0.0
         self.worker_queue_ms = 0.0
         self.uncounted = 0  # generated tokens not yet given to the counter
+        self.prompt_logprobs_sent = False
         self.detok = entry.tokenizer.detokenizer(
             prompt_ids[-PROMPT_CONTEXT_TOKENS:], params.skip_special_tokens
         )
@@ -390,6 +405,8 @@ class _Run:
         wreq = build_worker_request(
             p, context, remaining_tokens, max(0, p.min_tokens - len(self.generated))
         )
+        if self.prompt_logprobs_sent:  # a resumed attempt: the caller has them already
+            wreq.ClearField("prompt_logprobs")
         self.attempts += 1
         timeout = _remaining(self.deadline)
         if timeout is not None and timeout <= 0:
@@ -440,7 +457,10 @@ class _Run:
                     chunk.text = text
                     chunk.token_ids.extend(ids)
                     if want_logprobs:
-                        self._copy_logprobs(chunk, wchunk.logprobs[: len(ids)])
+                        self._copy_logprobs(chunk.logprobs, wchunk.logprobs[: len(ids)])
+                    if wchunk.prompt_logprobs and not self.prompt_logprobs_sent:
+                        self._copy_logprobs(chunk.prompt_logprobs, wchunk.prompt_logprobs)
+                        self.prompt_logprobs_sent = True
                     self.uncounted += len(ids)
                     if self.uncounted >= COUNT_EVERY_TOKENS:
                         self._count_tokens()
@@ -517,11 +537,14 @@ class _Run:
             f.stop_token_id = wf.stop_token_id
 
     def _copy_logprobs(
-        self, chunk: generation_pb2.Chunk, src: Sequence[common_pb2.TokenLogprob]
+        self,
+        into: RepeatedCompositeFieldContainer[common_pb2.TokenLogprob],
+        src: Sequence[common_pb2.TokenLogprob],
     ) -> None:
-        chunk.logprobs.extend(src)
+        """Into a chunk's (repeated) logprobs, with each alternative's text filled in."""
+        into.extend(src)
         decode = self.entry.tokenizer.decode
-        for lp in chunk.logprobs:
+        for lp in into:
             for top in lp.top:
                 top.token = decode([top.token_id], False)
 

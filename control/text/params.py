@@ -59,6 +59,7 @@ class GenerationParams:
     priority: int
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) of a chat prompt
     constraint: Constraint | None = None  # structured output
+    prompt_logprobs: int | None = None  # top-n for each prompt token, in the first chunk
 
     @property
     def prompt_field(self) -> str:
@@ -191,6 +192,13 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
     logprobs = out.logprobs if out.HasField("logprobs") else None
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         v.append(FieldViolation("output.logprobs", f"at most {MAX_LOGPROBS}, got {logprobs}"))
+    prompt_logprobs = out.prompt_logprobs if out.HasField("prompt_logprobs") else None
+    if prompt_logprobs is not None and prompt_logprobs > MAX_LOGPROBS:
+        v.append(
+            FieldViolation(
+                "output.prompt_logprobs", f"at most {MAX_LOGPROBS}, got {prompt_logprobs}"
+            )
+        )
 
     constraint = parse_constraint(req.constraint, v) if req.HasField("constraint") else None
 
@@ -218,6 +226,7 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
         priority=req.priority,
         messages=messages,
         constraint=constraint,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -170,6 +170,10 @@ bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, doub
     }
     out->return_logprobs = true;
   }
+  if (in.has_prompt_logprobs()) {
+    return bad(error, "prompt_logprobs",
+               "this worker does not return the prompt's log probabilities");
+  }
   out->priority = in.priority();
   if (in.has_constraint()) {
     Guide guide;

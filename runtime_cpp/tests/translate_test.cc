@@ -256,6 +256,15 @@ TEST(Translate, ConstraintsBecomeGuidesWhereTheEngineTakesThem) {
   EXPECT_EQ(out.guide->kind, Guide::Kind::kGrammar);
 }
 
+TEST(Translate, PromptLogprobsAreRefusedNamingTheField) {
+  auto in = valid();
+  in.set_prompt_logprobs(0);
+  GenRequest out;
+  FieldError err;
+  EXPECT_FALSE(to_gen_request(in, info(), -1, &out, &err));
+  EXPECT_EQ(err.field, "prompt_logprobs");
+}
+
 TEST(Translate, AConstraintTheEngineDoesNotTakeNamesTheField) {
   auto in = valid();
   in.mutable_constraint()->set_regex("[a-z]+");

@@ -112,6 +112,7 @@ def generate_request(
     ignore_eos: bool | None = None,
     include_stop: bool | None = None,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
     skip_special_tokens: bool | None = None,
     request_id: str | None = None,
     priority: int = 0,
@@ -151,6 +152,8 @@ def generate_request(
     output = generation_pb2.OutputOptions()
     if logprobs is not None:
         output.logprobs = logprobs
+    if prompt_logprobs is not None:
+        output.prompt_logprobs = prompt_logprobs
     if skip_special_tokens is not None:
         output.skip_special_tokens = skip_special_tokens
     req = generation_pb2.GenerateRequest(

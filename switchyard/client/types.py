@@ -27,6 +27,8 @@ class Chunk:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
+    # The first chunk's, when prompt_logprobs was asked: each prompt token after the first.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,7 @@ class Completion:
     token_ids: tuple[int, ...]
     final: Final
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +94,12 @@ def logprobs_of(msgs: Any) -> tuple[TokenLogprob, ...]:
 
 
 def chunk_of(msg: Any) -> Chunk:
-    return Chunk(msg.text, tuple(msg.token_ids), logprobs_of(msg.logprobs))
+    return Chunk(
+        msg.text,
+        tuple(msg.token_ids),
+        logprobs_of(msg.logprobs),
+        logprobs_of(msg.prompt_logprobs),
+    )
 
 
 def final_of(msg: Any) -> Final:
@@ -121,7 +129,11 @@ def model_of(msg: Any) -> ModelInfo:
 def completion_of(msg: Any) -> Completion:
     """A CompleteResponse, typed."""
     return Completion(
-        msg.text, tuple(msg.token_ids), final_of(msg.final), logprobs_of(msg.logprobs)
+        msg.text,
+        tuple(msg.token_ids),
+        final_of(msg.final),
+        logprobs_of(msg.logprobs),
+        logprobs_of(msg.prompt_logprobs),
     )
 
 

@@ -265,6 +265,25 @@ def test_structured_output_where_declared_and_refused_elsewhere(
     assert re.fullmatch(check, text), text
 
 
+def test_prompt_logprobs_where_declared_and_refused_elsewhere(stub: Any, engine: str) -> None:
+    caps = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5).capabilities
+    assert caps.prompt_logprobs == (engine == "vllm")
+    req = request(max_tokens=4, request_id=f"plp-{engine}", prompt_logprobs=2)
+    if not caps.prompt_logprobs:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(req, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt_logprobs" in (e.value.details() or "")
+        return
+    chunks, final = generate(stub, req)
+    first, *rest = chunks
+    # One per prompt token after the first, in the first chunk only.
+    assert [lp.token_id for lp in first.prompt_logprobs] == PROMPT[1:]
+    assert all(lp.logprob <= 0 and 1 <= len(lp.top) <= 2 for lp in first.prompt_logprobs)
+    assert not any(c.prompt_logprobs for c in rest)
+    assert final.usage.completion_tokens == 4
+
+
 def test_logprobs_beyond_the_declared_limit_are_refused(stub: Any, engine: str) -> None:
     limit = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5).capabilities.max_logprobs
     req = worker_pb2.GenerateRequest(

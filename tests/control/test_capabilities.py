@@ -83,3 +83,30 @@ def test_what_an_engine_lacks_is_refused_before_any_worker_naming_field_and_engi
             with pytest.raises(InvalidArgument) as bad:
                 client.complete(model, "Hello", max_tokens=2, logprobs=21)
             assert [v.field for v in bad.value.violations] == ["output.logprobs"]
+
+
+def test_prompt_logprobs_come_in_the_first_chunk_where_the_engine_has_them(plane: Proc) -> None:
+    with Client(plane.address, timeout=60) as client:
+        prompt = client.tokenize("tiny", "Which track to Leeds").token_ids
+        done = client.complete("tiny", prompt, max_tokens=1, ignore_eos=True, temperature=0,
+                               logprobs=0, prompt_logprobs=3)  # fmt: skip
+        assert [lp.token_id for lp in done.prompt_logprobs] == list(prompt[1:])
+        assert all(len(lp.top) == 3 and all(text for _, text, _ in lp.top)
+                   for lp in done.prompt_logprobs)  # fmt: skip
+        # The engine's view of a token is the same whether it sampled it or was given it:
+        # the generated token's logprob is its prompt logprob one request later.
+        token = done.token_ids[0]
+        again = client.complete("tiny", [*prompt, token], max_tokens=1, ignore_eos=True,
+                                prompt_logprobs=0)  # fmt: skip
+        assert again.prompt_logprobs[-1].token_id == token
+        assert abs(again.prompt_logprobs[-1].logprob - done.logprobs[0].logprob) < 1e-3
+        chunks = list(client.generate("tiny", prompt, max_tokens=4, ignore_eos=True,
+                                      prompt_logprobs=1))  # fmt: skip
+        assert len(chunks[0].prompt_logprobs) == len(prompt) - 1
+        assert not any(c.prompt_logprobs for c in chunks[1:])
+        with pytest.raises(FailedPrecondition) as refused:
+            client.complete("sim", "Hello", max_tokens=2, prompt_logprobs=0)
+        assert [v.field for v in refused.value.violations] == ["output.prompt_logprobs"]
+        with pytest.raises(InvalidArgument) as bad:
+            client.complete("tiny", "Hello", max_tokens=2, prompt_logprobs=21)
+        assert [v.field for v in bad.value.violations] == ["output.prompt_logprobs"]
