@@ -12,6 +12,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -184,7 +185,12 @@ std::unique_ptr<Executor> make_executor(const Args& a) {
     o.scheduler_policy = a.get("scheduler-policy", o.scheduler_policy);
     o.worker_executable = a.get("executor-worker", SWITCHYARD_TRTLLM_EXECUTOR_WORKER);
     if (a.kv.count("tokenizer") && a.num("structured-output", 1) != 0) {
-      o.guide_vocabulary = switchyard::rt::read_guide_vocabulary(a.get("tokenizer", ""));
+      const std::filesystem::path dir = a.get("tokenizer", "");
+      if (std::filesystem::exists(dir / "tokenizer.json")) {
+        o.guide_vocabulary = switchyard::rt::read_guide_vocabulary(dir);
+      } else {
+        log("engine check", "structured output off: no tokenizer.json in " + dir.string());
+      }
     }
     log("engine", switchyard::rt::to_json(o.engine));
     return std::make_unique<switchyard::rt::TrtllmExecutor>(o);

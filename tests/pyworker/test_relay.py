@@ -71,7 +71,7 @@ class Sink:
         self.fail_on_final = fail_on_final
         self.got = asyncio.Event()
 
-    def chunk(self, token_ids: list[int], logprobs: Any) -> None:
+    def chunk(self, token_ids: list[int], logprobs: Any, prompt: Any = None) -> None:
         self.events.append(("chunk", list(token_ids)))
 
     def final(self, final: Any) -> None:
