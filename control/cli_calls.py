@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from control.config import DEFAULT_LISTEN
@@ -50,6 +51,12 @@ def add_commands(sub: Any) -> None:
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--traceparent", help="W3C trace context to continue")
+    so = gen.add_argument_group("structured output (at most one)")
+    so.add_argument("--json-schema", metavar="FILE", help="a JSON Schema file the output obeys")
+    so.add_argument("--json-object", action="store_true", help="any JSON object")
+    so.add_argument("--regex", help="a regular expression the whole output matches")
+    so.add_argument("--choice", action="append", help="one of these strings (repeat it)")
+    so.add_argument("--grammar", metavar="FILE", help="an EBNF or Lark grammar file")
 
     sub.add_parser("generate", parents=[gen, conn], help="stream a generation to the terminal")
     sub.add_parser("complete", parents=[gen, conn], help="print a whole generation at once")
@@ -104,9 +111,17 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {"max_tokens": args.max_tokens, "stop": args.stop}
     if args.ignore_eos:
         opts["ignore_eos"] = True
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    for name in ("temperature", "top_p", "top_k", "seed", "regex", "choice"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
+    if args.json_object:
+        opts["json_object"] = True
+    for name in ("json_schema", "grammar"):  # files
+        if getattr(args, name) is not None:
+            opts[name] = Path(getattr(args, name)).read_text()
+    given = [k for k in ("json_schema", "json_object", "regex", "choice", "grammar") if k in opts]
+    if len(given) > 1:
+        raise SystemExit(f"switchyard: give one structured-output option, not {', '.join(given)}")
     return opts
 
 

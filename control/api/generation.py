@@ -18,15 +18,16 @@ from typing import Any, NoReturn
 import grpc
 import structlog
 from opentelemetry.trace import StatusCode
-from switchyard.v1 import generation_pb2, generation_pb2_grpc
+from switchyard.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from control.api.auth import current_caller
 from control.api.status import abort_rpc, status_code
 from control.errors import Internal, InvalidArgument, SwitchyardError
 from control.fleet.models import ModelEntry, ModelRegistry
 from control.metrics import request_ended
-from control.request.generation import encode_prompt, run_generation
-from control.text.params import MAX_PROMPT_CHARS, parse_request
+from control.request.generation import encode_prompt
+from control.request.samples import Collected, run_samples
+from control.text.params import MAX_PROMPT_CHARS, MAX_SAMPLES, parse_request
 from control.tracing import Span, SpanKind, extract, trace_id_of, tracer, with_span
 
 log = structlog.get_logger(__name__)
@@ -107,12 +108,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
                 caller = current_caller()
                 if caller is not None:
                     caller.check_model(entry.name)
-                gen = run_generation(
+                gen = run_samples(
                     entry, params, received, context.time_remaining(), with_span(span), caller
                 )
+                finals = params.n  # the stream is over after every sample's Final
                 async with contextlib.aclosing(gen):
                     async for resp in gen:
-                        finished = finished or resp.HasField("final")
+                        if resp.HasField("final"):
+                            finals -= 1
+                            finished = finals == 0
                         yield resp
             except SwitchyardError as e:
                 code = status_code(e).name
@@ -152,20 +156,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
     async def Complete(
         self, request: generation_pb2.GenerateRequest, context: Context
     ) -> generation_pb2.CompleteResponse:
-        out = generation_pb2.CompleteResponse()
-        texts: list[str] = []
+        collected = Collected()
         responses = self._responses(request, context, "Complete")
         async with contextlib.aclosing(responses):
             async for resp in responses:
-                if resp.HasField("chunk"):
-                    texts.append(resp.chunk.text)
-                    out.token_ids.extend(resp.chunk.token_ids)
-                    out.logprobs.extend(resp.chunk.logprobs)
-                    out.prompt_logprobs.extend(resp.chunk.prompt_logprobs)
-                else:
-                    out.final.CopyFrom(resp.final)
-        out.text = "".join(texts)
-        return out
+                collected.add(resp)
+        return collected.response()
 
     async def Tokenize(
         self, request: generation_pb2.TokenizeRequest, context: Context
@@ -208,9 +204,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
                 vocab_size=e.info.vocab_size,
                 healthy_workers=len(e.healthy_workers()),
                 workers=len(e.workers),
-                capabilities=e.info.capabilities.to_proto() if e.info.capabilities else None,
+                capabilities=_served_capabilities(e),
             )
             for e in self._registry.all()
             if _visible(e.name)
         ]
         return generation_pb2.ListModelsResponse(models=models)
+
+
+def _served_capabilities(entry: ModelEntry) -> common_pb2.Capabilities | None:
+    """What the model can do through Switchyard: its workers' engine, with n up to the
+    control plane's fan-out (it samples n as separate engine requests on every engine)."""
+    caps = entry.info.capabilities
+    if caps is None:
+        return None
+    out = caps.to_proto()
+    out.max_n = max(out.max_n, MAX_SAMPLES)
+    return out

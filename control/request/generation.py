@@ -180,6 +180,16 @@ async def encode_chat(entry: ModelEntry, messages: Sequence[tuple[str, str]]) ->
     return await asyncio.to_thread(render_and_encode)
 
 
+async def prompt_ids_of(entry: ModelEntry, params: GenerationParams) -> list[int]:
+    """The request's prompt as token ids: given, rendered from a conversation, or encoded."""
+    if params.prompt_ids is not None:
+        return list(params.prompt_ids)
+    if params.messages is not None:
+        return await encode_chat(entry, params.messages)
+    assert params.prompt_text is not None
+    return await encode_prompt(entry.tokenizer, params.prompt_text)
+
+
 async def run_generation(
     entry: ModelEntry,
     params: GenerationParams,
@@ -192,13 +202,7 @@ async def run_generation(
     (raising Overloaded beyond its rate) and gets back what was not generated."""
     deadline = None if time_remaining is None else time.monotonic() + time_remaining
     check_capabilities(entry, params)
-    if params.prompt_ids is not None:
-        prompt_ids = list(params.prompt_ids)
-    elif params.messages is not None:
-        prompt_ids = await encode_chat(entry, params.messages)
-    else:
-        assert params.prompt_text is not None
-        prompt_ids = await encode_prompt(entry.tokenizer, params.prompt_text)
+    prompt_ids = await prompt_ids_of(entry, params)
     max_tokens = entry.limits.bind(params, prompt_ids)
     charged = 0
     if budget is not None:

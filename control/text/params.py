@@ -27,6 +27,7 @@ MAX_STOP_LENGTH = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_REQUEST_ID = 128
+MAX_SAMPLES = 16  # n: samples of one prompt, fanned out by the control plane
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,7 @@ class GenerationParams:
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) of a chat prompt
     constraint: Constraint | None = None  # structured output
     prompt_logprobs: int | None = None  # top-n for each prompt token, in the first chunk
+    n: int = 1  # samples of this prompt
 
     @property
     def prompt_field(self) -> str:
@@ -202,6 +204,10 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
 
     constraint = parse_constraint(req.constraint, v) if req.HasField("constraint") else None
 
+    n = req.n or 1
+    if n > MAX_SAMPLES:
+        v.append(FieldViolation("n", f"at most {MAX_SAMPLES} samples, got {n}"))
+
     request_id = req.request_id
     if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
         v.append(FieldViolation("request_id", f"at most {MAX_REQUEST_ID} printable characters"))
@@ -227,6 +233,7 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
         messages=messages,
         constraint=constraint,
         prompt_logprobs=prompt_logprobs,
+        n=n,
     )
 
 

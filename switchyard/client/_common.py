@@ -16,6 +16,7 @@ import grpc
 from switchyard.v1 import admin_pb2, common_pb2, generation_pb2
 
 from switchyard.client.errors import SwitchyardError
+from switchyard.client.types import Final
 
 Metadata = list[tuple[str, str]]
 _SAMPLING = (
@@ -116,6 +117,7 @@ def generate_request(
     skip_special_tokens: bool | None = None,
     request_id: str | None = None,
     priority: int = 0,
+    n: int = 1,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -163,6 +165,7 @@ def generate_request(
         output=output,
         request_id=request_id or uuid.uuid4().hex,
         priority=priority,
+        n=n,
     )
     _constrain(req, json_schema, json_object, regex, choice, grammar)
     if isinstance(prompt, str):
@@ -243,3 +246,32 @@ def drain_request(address: str, grace_s: float | None) -> admin_pb2.DrainWorkerR
     if grace_s is not None:
         req.grace_s = grace_s
     return req
+
+
+class Outcome:
+    """Where a stream's generator leaves its Finals: not the stream itself, since a
+    generator holding its stream would make a cycle, and a stream dropped mid-way would
+    cancel its call only when the garbage collector came by."""
+
+    __slots__ = ("ended", "finals")
+
+    def __init__(self) -> None:
+        self.finals: list[Final] = []  # one per sample, as they end
+        self.ended = False  # every sample's Final came
+
+
+class Finals:
+    """A stream's `final` and `finals`, read from its Outcome."""
+
+    _outcome: Outcome
+
+    @property
+    def final(self) -> Final | None:
+        """The last Final (with n > 1 the one that carries total_usage)."""
+        finals = self._outcome.finals
+        return finals[-1] if finals else None
+
+    @property
+    def finals(self) -> list[Final]:
+        """Every sample's Final (n > 1), in the order they ended."""
+        return list(self._outcome.finals)

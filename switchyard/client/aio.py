@@ -25,7 +25,9 @@ from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_
 
 from switchyard.client._common import (
     CHANNEL_OPTIONS,
+    Finals,
     Metadata,
+    Outcome,
     Prompt,
     RetryPolicy,
     Tls,
@@ -41,7 +43,6 @@ from switchyard.client.errors import from_rpc_error
 from switchyard.client.types import (
     Chunk,
     Completion,
-    Final,
     ModelInfo,
     Tokens,
     chunk_of,
@@ -54,30 +55,19 @@ from switchyard.client.types import (
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
 
 
-class _Outcome:
-    """Where the stream's generator leaves the Final: a generator holding its stream
-    would make a cycle, and a dropped stream would cancel its call only when the garbage
-    collector came by."""
-
-    __slots__ = ("final",)
-
-    def __init__(self) -> None:
-        self.final: Final | None = None
-
-
-class AsyncStream:
+class AsyncStream(Finals):
     """The chunks of one generation; `final` once it has ended. `aclose()`, or dropping
     it, cancels a generation still running."""
 
     def __init__(
-        self, start: Callable[[float | None], Any], deadline: float | None, retry: RetryPolicy
+        self,
+        start: Callable[[float | None], Any],
+        deadline: float | None,
+        retry: RetryPolicy,
+        samples: int = 1,
     ) -> None:
-        self._outcome = _Outcome()
-        self._chunks = _run(start, deadline, retry, self._outcome)
-
-    @property
-    def final(self) -> Final | None:
-        return self._outcome.final
+        self._outcome = Outcome()
+        self._chunks = _run(start, deadline, retry, self._outcome, samples)
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -118,13 +108,15 @@ async def _run(
     start: Callable[[float | None], Any],
     deadline: float | None,
     retry: RetryPolicy,
-    outcome: _Outcome,
+    outcome: Outcome,
+    samples: int = 1,
 ) -> AsyncGenerator[Chunk, None]:
     call, msg = await _first(start, deadline, retry)
     try:
         while msg is not None:
             if msg.HasField("final"):
-                outcome.final = final_of(msg.final)
+                outcome.finals.append(final_of(msg.final))
+                outcome.ended = len(outcome.finals) >= samples  # every sample's Final
             else:
                 yield chunk_of(msg.chunk)
             nxt = await call.read()
@@ -132,7 +124,7 @@ async def _run(
     except grpc.aio.AioRpcError as e:
         raise from_rpc_error(e) from None
     finally:
-        if outcome.final is None:
+        if not outcome.ended:  # dropped or failed before the end: stop every sample
             call.cancel()
 
 
@@ -202,7 +194,7 @@ class AsyncClient:
         def start(left: float | None) -> Any:
             return self._gen.Generate(req, timeout=left, metadata=md)
 
-        return AsyncStream(start, deadline_of(self._timeout(timeout)), self.retry)
+        return AsyncStream(start, deadline_of(self._timeout(timeout)), self.retry, req.n or 1)
 
     async def complete(
         self,

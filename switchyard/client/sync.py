@@ -26,7 +26,9 @@ from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_
 
 from switchyard.client._common import (
     CHANNEL_OPTIONS,
+    Finals,
     Metadata,
+    Outcome,
     Prompt,
     RetryPolicy,
     Tls,
@@ -42,7 +44,6 @@ from switchyard.client.errors import SwitchyardError, from_rpc_error
 from switchyard.client.types import (
     Chunk,
     Completion,
-    Final,
     ModelInfo,
     Tokens,
     chunk_of,
@@ -55,30 +56,19 @@ from switchyard.client.types import (
 T = TypeVar("T")
 
 
-class _Outcome:
-    """Where a stream's generator leaves the Final (not the Stream itself: a generator
-    holding its Stream would make a cycle, and a Stream dropped mid-way would cancel its
-    call only when the garbage collector came by)."""
-
-    __slots__ = ("final",)
-
-    def __init__(self) -> None:
-        self.final: Final | None = None
-
-
-class Stream:
+class Stream(Finals):
     """The chunks of one generation, as they come; `final` once it has ended. Dropping
     it, or `close()`, cancels a generation still running."""
 
     def __init__(
-        self, start: Callable[[float | None], Any], deadline: float | None, retry: RetryPolicy
+        self,
+        start: Callable[[float | None], Any],
+        deadline: float | None,
+        retry: RetryPolicy,
+        samples: int = 1,
     ) -> None:
-        self._outcome = _Outcome()
-        self._chunks = _run(start, deadline, retry, self._outcome)
-
-    @property
-    def final(self) -> Final | None:
-        return self._outcome.final
+        self._outcome = Outcome()
+        self._chunks = _run(start, deadline, retry, self._outcome, samples)
 
     def __iter__(self) -> Iterator[Chunk]:
         return self
@@ -121,20 +111,22 @@ def _run(
     start: Callable[[float | None], Any],
     deadline: float | None,
     retry: RetryPolicy,
-    outcome: _Outcome,
+    outcome: Outcome,
+    samples: int = 1,
 ) -> Generator[Chunk, None, None]:
     call, msg = _first(start, deadline, retry)
     try:
         while msg is not None:
             if msg.HasField("final"):
-                outcome.final = final_of(msg.final)
+                outcome.finals.append(final_of(msg.final))
+                outcome.ended = len(outcome.finals) >= samples  # every sample's Final
             else:
                 yield chunk_of(msg.chunk)
             msg = next(call, None)
     except grpc.RpcError as e:
         raise from_rpc_error(e) from None
     finally:
-        if outcome.final is None:
+        if not outcome.ended:  # dropped or failed before the end: stop every sample
             call.cancel()
 
 
@@ -220,7 +212,7 @@ class Client:
         def start(left: float | None) -> Any:
             return self._gen.Generate(req, timeout=left, metadata=md)
 
-        return Stream(start, deadline_of(self._timeout(timeout)), self.retry)
+        return Stream(start, deadline_of(self._timeout(timeout)), self.retry, req.n or 1)
 
     def complete(
         self,

@@ -29,6 +29,7 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] = ()
     # The first chunk's, when prompt_logprobs was asked: each prompt token after the first.
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    index: int = 0  # which sample (n > 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,8 @@ class Final:
     stop_token_id: int | None = None
     stop_string: str | None = None
     error_message: str = ""
+    index: int = 0  # which sample this ends (n > 1)
+    total_usage: Usage | None = None  # the last Final of n > 1: all samples, prompt once
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,16 @@ class Completion:
     final: Final
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    choices: tuple[Choice, ...] = ()  # n > 1: every sample, in index order
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    final: Final
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,16 +112,19 @@ def chunk_of(msg: Any) -> Chunk:
         tuple(msg.token_ids),
         logprobs_of(msg.logprobs),
         logprobs_of(msg.prompt_logprobs),
+        msg.index,
     )
+
+
+def _usage(msg: Any) -> Usage:
+    return Usage(msg.prompt_tokens, msg.completion_tokens, msg.cached_prompt_tokens)
 
 
 def final_of(msg: Any) -> Final:
     which = msg.WhichOneof("stop_reason")
     return Final(
         finish_reason=_REASONS.get(msg.finish_reason, "unspecified"),
-        usage=Usage(
-            msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_prompt_tokens
-        ),
+        usage=_usage(msg.usage),
         timing=Timing(msg.timing.queue_ms, msg.timing.time_to_first_token_ms, msg.timing.total_ms),
         worker=msg.worker,
         engine=msg.engine,
@@ -117,6 +133,8 @@ def final_of(msg: Any) -> Final:
         stop_token_id=msg.stop_token_id if which == "stop_token_id" else None,
         stop_string=msg.stop_string if which == "stop_string" else None,
         error_message=msg.error_message,
+        index=msg.index,
+        total_usage=_usage(msg.total_usage) if msg.HasField("total_usage") else None,
     )
 
 
@@ -134,6 +152,10 @@ def completion_of(msg: Any) -> Completion:
         final_of(msg.final),
         logprobs_of(msg.logprobs),
         logprobs_of(msg.prompt_logprobs),
+        tuple(
+            Choice(c.index, c.text, tuple(c.token_ids), final_of(c.final), logprobs_of(c.logprobs))
+            for c in msg.choices
+        ),
     )
 
 

@@ -67,6 +67,13 @@ def test_errors_name_the_status_and_the_field(plane: Proc) -> None:
     assert "INVALID_ARGUMENT" in out.stderr and "sampling.temperature:" in out.stderr
     out = cli(plane, "models", token=None)
     assert out.returncode == 1 and "UNAUTHENTICATED" in out.stderr
+    # Structured output reaches the service (the simulator takes none) ...
+    out = cli(plane, "complete", "--model", "sim", "--regex", "[a-z]+", "Hi")
+    assert out.returncode == 1
+    assert "FAILED_PRECONDITION" in out.stderr and "constraint.regex" in out.stderr
+    # ... one kind at a time.
+    out = cli(plane, "complete", "--model", "sim", "--regex", "a", "--choice", "b", "Hi")
+    assert out.returncode == 1 and "not regex, choice" in out.stderr, out.stderr
 
 
 def test_admin_commands_show_progress(plane: Proc) -> None:

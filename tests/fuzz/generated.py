@@ -90,9 +90,33 @@ def valid_stopping(draw: st.DrawFn) -> generation_pb2.StoppingParams:
     return p
 
 
+@st.composite
+def constraints(draw: st.DrawFn) -> common_pb2.OutputConstraint:
+    """Structured-output constraints, good and bad, of every kind (and of none). Regexes
+    come without counted repetition: what a large count costs an engine's compiler is
+    not what this fuzzes."""
+    c = common_pb2.OutputConstraint()
+    kind = draw(st.sampled_from(["json_schema", "json_object", "regex", "choice", "grammar", ""]))
+    if kind == "json_schema":
+        c.json_schema = draw(
+            st.sampled_from(
+                ['{"type": "object"}', '{"enum": ["a", "b"]}', "{", "[]", '{"type": "nope"}', ""]
+            )
+        )
+    elif kind == "json_object":
+        c.json_object = draw(st.booleans())
+    elif kind == "regex":
+        c.regex = draw(st.text(alphabet="abc()[]*+?|.\\", max_size=12))
+    elif kind == "choice":
+        c.choice.values.extend(draw(st.lists(st.text(max_size=6), max_size=4)))
+    elif kind == "grammar":
+        c.grammar = draw(st.sampled_from(['root ::= "a" | "b"', "root ::= (", "", " "]))
+    return c
+
+
 def _mutations(r: generation_pb2.GenerateRequest, draw: st.DrawFn) -> None:
     """Set one field to something wild."""
-    which = draw(st.integers(0, 11))
+    which = draw(st.integers(0, 14))
     if which == 0:
         r.model = draw(st.sampled_from(["", "no-such-model", "x" * 300]))
     elif which == 1:
@@ -120,6 +144,12 @@ def _mutations(r: generation_pb2.GenerateRequest, draw: st.DrawFn) -> None:
         r.stopping.stop_token_ids[:] = draw(st.one_of(_ids, st.just(list(range(200)))))
     elif which == 10:
         r.output.logprobs = draw(st.integers(0, 2**32 - 1))
+    elif which == 11:
+        r.constraint.CopyFrom(draw(constraints()))
+    elif which == 12:
+        r.output.prompt_logprobs = draw(st.integers(0, 2**32 - 1))
+    elif which == 13:
+        r.n = draw(st.one_of(st.integers(0, 20), st.just(2**32 - 1)))
     else:
         r.request_id = draw(st.text(min_size=100, max_size=300))
 
@@ -144,6 +174,8 @@ def requests(draw: st.DrawFn, model: str) -> generation_pb2.GenerateRequest:
         r.output.skip_special_tokens = draw(st.booleans())
     r.request_id = draw(st.sampled_from(["", "", "dup", "dup2", "another"]))
     r.priority = draw(st.integers(min_value=-(2**31), max_value=2**31 - 1))
+    if draw(st.integers(0, 4)) == 0:
+        r.n = draw(st.integers(0, 3))
     if draw(st.integers(0, 2)) == 0:
         for _ in range(draw(st.integers(1, 3))):
             _mutations(r, draw)
@@ -189,16 +221,22 @@ def run(stub: Any, plan: Plan) -> str:
 
 
 def check_stream(messages: list[Any], plan: Plan) -> None:
+    samples = plan.request.n or 1
     finals = [i for i, m in enumerate(messages) if m.HasField("final")]
-    if plan.cancel_after is not None and len(messages) > plan.cancel_after and not finals:
+    ended = len(finals) == samples
+    if plan.cancel_after is not None and len(messages) > plan.cancel_after and not ended:
         return  # the client left before the end
-    assert len(finals) == 1 and finals[0] == len(messages) - 1, (
-        f"a stream must end with exactly one final: {[m.WhichOneof('response') for m in messages]}"
+    assert ended and finals[-1] == len(messages) - 1, (
+        f"a stream must end with one final per sample ({samples}): "
+        f"{[m.WhichOneof('response') for m in messages]}"
     )
-    final = messages[-1].final
-    assert final.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-    text = "".join(m.chunk.text for m in messages[:-1])
-    assert final.usage.completion_tokens >= 0 and isinstance(text, str)
+    assert sorted(messages[i].final.index for i in finals) == list(range(samples))
+    for i in finals:
+        assert messages[i].final.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+    last = messages[-1].final
+    assert last.HasField("total_usage") == (samples > 1)
+    text = "".join(m.chunk.text for m in messages if m.HasField("chunk"))
+    assert last.usage.completion_tokens >= 0 and isinstance(text, str)
 
 
 def check_status(err: grpc.RpcError, plan: Plan) -> None:
