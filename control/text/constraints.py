@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +72,7 @@ def parse_constraint(
     if len(text) > MAX_CONSTRAINT_CHARS:
         v.append(FieldViolation(field, f"longer than {MAX_CONSTRAINT_CHARS} characters"))
         return None
-    checks = {"json_schema": _schema_problem, "regex": _regex_problem, "grammar": _grammar_problem}
-    problem = checks[kind](text)
+    problem = _TEXT_CHECKS[kind](text)
     if problem is not None:
         v.append(FieldViolation(field, problem))
         return None
@@ -132,3 +132,11 @@ def _grammar_problem(text: str) -> str | None:
     if "\x00" in text:
         return "must not contain a NUL character"
     return None
+
+
+# What is wrong with a text constraint, per kind (None: nothing the control plane can see).
+_TEXT_CHECKS: dict[str, Callable[[str], str | None]] = {
+    "json_schema": _schema_problem,
+    "regex": _regex_problem,
+    "grammar": _grammar_problem,
+}

@@ -253,11 +253,16 @@ class Outcome:
     generator holding its stream would make a cycle, and a stream dropped mid-way would
     cancel its call only when the garbage collector came by."""
 
-    __slots__ = ("ended", "finals")
+    __slots__ = ("ended", "finals", "samples")
 
-    def __init__(self) -> None:
+    def __init__(self, samples: int = 1) -> None:
+        self.samples = samples
         self.finals: list[Final] = []  # one per sample, as they end
         self.ended = False  # every sample's Final came
+
+    def add(self, final: Final) -> None:
+        self.finals.append(final)
+        self.ended = len(self.finals) >= self.samples
 
 
 class Finals:

@@ -66,8 +66,8 @@ class AsyncStream(Finals):
         retry: RetryPolicy,
         samples: int = 1,
     ) -> None:
-        self._outcome = Outcome()
-        self._chunks = _run(start, deadline, retry, self._outcome, samples)
+        self._outcome = Outcome(samples)
+        self._chunks = _run(start, deadline, retry, self._outcome)
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -109,14 +109,12 @@ async def _run(
     deadline: float | None,
     retry: RetryPolicy,
     outcome: Outcome,
-    samples: int = 1,
 ) -> AsyncGenerator[Chunk, None]:
     call, msg = await _first(start, deadline, retry)
     try:
         while msg is not None:
             if msg.HasField("final"):
-                outcome.finals.append(final_of(msg.final))
-                outcome.ended = len(outcome.finals) >= samples  # every sample's Final
+                outcome.add(final_of(msg.final))
             else:
                 yield chunk_of(msg.chunk)
             nxt = await call.read()

@@ -67,8 +67,8 @@ class Stream(Finals):
         retry: RetryPolicy,
         samples: int = 1,
     ) -> None:
-        self._outcome = Outcome()
-        self._chunks = _run(start, deadline, retry, self._outcome, samples)
+        self._outcome = Outcome(samples)
+        self._chunks = _run(start, deadline, retry, self._outcome)
 
     def __iter__(self) -> Iterator[Chunk]:
         return self
@@ -112,14 +112,12 @@ def _run(
     deadline: float | None,
     retry: RetryPolicy,
     outcome: Outcome,
-    samples: int = 1,
 ) -> Generator[Chunk, None, None]:
     call, msg = _first(start, deadline, retry)
     try:
         while msg is not None:
             if msg.HasField("final"):
-                outcome.finals.append(final_of(msg.final))
-                outcome.ended = len(outcome.finals) >= samples  # every sample's Final
+                outcome.add(final_of(msg.final))
             else:
                 yield chunk_of(msg.chunk)
             msg = next(call, None)
