@@ -175,11 +175,23 @@ def _asyncllm_main(
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from pyworker.engine import prepare_environment, token_prompt_factory
+    from pyworker.engine import (
+        LoadStats,
+        make_stat_logger_factory,
+        prepare_environment,
+        token_prompt_factory,
+    )
 
     prepare_environment(settings)
     make_prompt = token_prompt_factory()
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **settings))
+    # The worker's own stat logger and settings (its scheduler counts, nothing else), so
+    # the two engines do the same work per step and report the same batch counts.
+    load = LoadStats()
+    llm = AsyncLLM.from_vllm_config(
+        AsyncEngineArgs(model=model, **settings).create_engine_config(),
+        stat_loggers=[make_stat_logger_factory(load)],
+        disable_log_stats=True,
+    )
 
     async def one(i: int, prompt: list[int], n: int, seed: int) -> tuple[float | None, int]:
         params = SamplingParams(
@@ -203,11 +215,22 @@ def _asyncllm_main(
             async with slots:
                 return await one(i, p, n, seed)
 
+        seen: list[tuple[int, int, float]] = []
+
+        async def watch() -> None:  # the engine's batch, as the worker's StreamLoad sees it
+            while True:
+                await asyncio.sleep(0.25)
+                snap = load.snapshot()
+                seen.append((snap.running, snap.waiting, 0.0))
+
+        watcher = asyncio.get_running_loop().create_task(watch())
         start = time.perf_counter()
         got = await asyncio.gather(*(slot(i, p, n) for i, (p, n) in enumerate(items)))
         took = time.perf_counter() - start
+        watcher.cancel()
         tokens = sum(t for _, t in got)
         return {
+            "engine": {"in-process": batch_summary(seen)},
             "system": "asyncllm",
             "requests": requests * waves,
             "concurrency": requests,
@@ -229,6 +252,22 @@ def _asyncllm_main(
 
     asyncio.run(main())
     llm.shutdown()
+
+
+def batch_summary(samples: list[tuple[int, int, float]]) -> dict[str, Any]:
+    """Running and waiting over the samples where the engine had any work."""
+    busy = [s for s in samples if s[0] or s[1]]
+    if not busy:
+        return {"samples": len(samples)}
+    running = sorted(s[0] for s in busy)
+    return {
+        "samples": len(busy),
+        "running_mean": round(sum(running) / len(running), 1),
+        "running_p50": running[len(running) // 2],
+        "running_max": running[-1],
+        "waiting_mean": round(sum(s[1] for s in busy) / len(busy), 1),
+        "tokens_per_s_mean": round(sum(s[2] for s in busy) / len(busy)),
+    }
 
 
 def served_model(name: str, model: Path, settings: dict[str, Any]) -> str:

@@ -36,6 +36,7 @@ from bench.gpu import (
     SETTINGS,
     SMOKE_ENV,
     asyncllm_argv,
+    batch_summary,
     list_workers,
     run_load,
     served_model,
@@ -141,6 +142,41 @@ def profiled(
                     p.kill()
 
 
+@contextlib.contextmanager
+def engine_batches(addresses: list[str], into: dict[str, Any]) -> Iterator[None]:
+    """Each worker's own count of running and waiting requests (its StreamLoad, every
+    250 ms) while the block runs, summed up into `into["engine"]`: how full each engine's
+    batch was, so that two systems on one engine compare their engine's steps, and a
+    router split across two workers shows how even it was."""
+    import grpc
+    from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
+
+    stop = threading.Event()
+    seen: dict[str, list[tuple[int, int, float]]] = {a: [] for a in addresses}
+
+    def watch(address: str) -> None:
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            call = stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=250))
+            threading.Thread(target=lambda: (stop.wait(), call.cancel()), daemon=True).start()
+            with contextlib.suppress(grpc.RpcError):
+                for r in call:
+                    seen[address].append(
+                        (int(r.running), int(r.waiting), float(r.generation_tokens_per_s))
+                    )
+
+    threads = [threading.Thread(target=watch, args=(a,), daemon=True) for a in addresses]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(5)
+        into["engine"] = {a: batch_summary(v) for a, v in seen.items()}
+
+
 def _run(
     result: dict[str, Any],
     label: str,
@@ -149,11 +185,15 @@ def _run(
     cpu: dict[str, list[int]],
     requests: int = LOAD,
     out: Path | None = None,
+    engines: list[str] | None = None,
 ) -> dict[str, Any]:
     meters = {name: _cores(pids) for name, pids in cpu.items()}
     started = time.monotonic()
-    run = run_load(target, address, "m", requests, seed=1, processes=CLIENTS, waves=WAVES)
+    batches: dict[str, Any] = {}
+    with engine_batches(engines or [], batches):
+        run = run_load(target, address, "m", requests, seed=1, processes=CLIENTS, waves=WAVES)
     wall = time.monotonic() - started
+    run.update(batches)
     run["label"] = label
     run["cores_busy"] = {name: round(m() / wall, 2) for name, m in meters.items()}
     log.info(
@@ -163,6 +203,7 @@ def _run(
         errors=run["errors"],
         cores=run["cores_busy"],
         clients_busy=run["client_busy"],
+        engine=run.get("engine"),
     )
     result["runs"].append(run)
     if out is not None:
@@ -292,7 +333,7 @@ def fronts(model: Path, out: Path, before: Path | None) -> dict[str, Any]:
                             burst = {"control-burst": proc.popen.pid}
                             targets, delay, seconds = burst, start_delay_s(CLIENTS) + 0.2, 3.0
                     with profiled(out, targets, delay, seconds):
-                        run = _run(result, label, target, address, cpu, out=out)
+                        run = _run(result, label, target, address, cpu, out=out, engines=[worker])
                     if len(cp_pids) > 1:
                         run["per_router_cpu_s"] = _per_process_cores(cp_pids)
                     run["pass"] = passed + 1
@@ -350,9 +391,11 @@ def two_workers(model: Path, out: Path) -> dict[str, Any]:
     with systems.control_plane(_model_yaml("m", model, settings, replicas=2), logs) as (cp, proc):
         workers = [w["address"] for w in list_workers(cp)]
         result["workers"] = list_workers(cp)
+        worker_pids = _pids_named(proc.popen.pid, "pyworker")
         run_load("switchyard", cp, "m", 64, seed=99, processes=2)
-        for _ in range(2):
+        for round_ in range(2):
             both: list[dict[str, Any]] = []
+            batches: dict[str, Any] = {}
 
             def one(address: str, into: list[dict[str, Any]] = both) -> None:
                 into.append(
@@ -360,10 +403,11 @@ def two_workers(model: Path, out: Path) -> dict[str, Any]:
                 )
 
             threads = [threading.Thread(target=one, args=(w,)) for w in workers]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            with engine_batches(workers, batches):
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
             combined = {
                 "label": "both workers directly, at once",
                 "system": "worker-stream x2",
@@ -373,17 +417,26 @@ def two_workers(model: Path, out: Path) -> dict[str, Any]:
                 "tokens_per_s": sum(r["tokens"] for r in both) / max(r["seconds"] for r in both),
                 "errors": sum(r["errors"] for r in both),
                 "parts": both,
+                **batches,
             }
             result["runs"].append(combined)
             log.info("run", system=combined["label"], tokens_per_s=round(combined["tokens_per_s"]))
             cpu = {"control": [proc.popen.pid]}
-            _run(result, "control plane x1, two workers", "switchyard", cp, cpu)
+            with profiled(out, {"control-two": proc.popen.pid} if round_ == 0 else {}):
+                label = "control plane x1, two workers"
+                _run(result, label, "switchyard", cp, cpu, engines=workers)
         for n in TWO_WORKER_ROUTERS:
             remote = _remote("m", model, workers)
             with systems.control_plane(remote, logs, f"routers-{n}", n) as (rcp, rp):
-                rpids = [rp.popen.pid, *systems.descendants(rp.popen.pid)]
+                routers = systems.descendants(rp.popen.pid)
+                rpids = [rp.popen.pid, *routers]
                 label = f"control plane x{n}, two workers"
-                run = _run(result, label, "switchyard", rcp, {"control": rpids})
+                # two of its routers, and both workers (what the routers wait on)
+                targets = {f"router{n}-{i}": pid for i, pid in enumerate(routers[:2])}
+                targets |= {f"worker{n}-{i}": pid for i, pid in enumerate(worker_pids[:2])}
+                with profiled(out, targets):
+                    cpu = {"control": rpids}
+                    run = _run(result, label, "switchyard", rcp, cpu, engines=workers)
                 run["per_router_cpu_s"] = _per_process_cores(rpids)
     return result
 
