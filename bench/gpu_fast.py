@@ -1,5 +1,5 @@
 """A fast engine on the H200: a Llama-3.2-1B shape, where the fronts, not the GPU, set
-the pace (issue 11). Run by `bench.gpu --phase fast|fast2` (scripts/gpu-bench.sh).
+the pace (issue 11). Run by `bench.gpu --phase fast|fast2|pin1|pin2` (scripts/gpu-bench.sh).
 
     fast:  AsyncLLM in-process; `switchyard serve` with its vLLM worker: the worker called
            directly (GenerateStream), the control plane in one process, and router-only
@@ -8,6 +8,9 @@ the pace (issue 11). Run by `bench.gpu --phase fast|fast2` (scripts/gpu-bench.sh
            profiles of the worker and the control plane
     fast2: two workers on one GPU behind one control plane; vLLM's gRPC and OpenAI
            servers; the previous commit's worker
+    pin1:  AsyncLLM, then one worker and one control plane with the engine core free
+           and pinned to a physical core of its own, alternating (bench/gpu_pin.py)
+    pin2:  fast2's two workers, then once more with both engine cores pinned
 
 Every system gets FAST_SETTINGS; 1000 concurrent requests of 128 prompt and 256 output
 tokens (ignore_eos), WAVES times as many in all, load from CLIENTS processes over
@@ -42,6 +45,7 @@ from bench.gpu import (
     served_model,
 )
 from bench.gpu import peer as gpu_peer
+from bench.gpu_pin import Pinning
 from bench.procload import start_delay_s
 from control.fleet.supervisor import free_port
 
@@ -381,9 +385,10 @@ def before_worker(model: Path, out: Path, before: Path) -> dict[str, Any]:
     return result
 
 
-def two_workers(model: Path, out: Path) -> dict[str, Any]:
+def two_workers(model: Path, out: Path, pin: bool = False) -> dict[str, Any]:
     """Two workers on one GPU (each with under half of its memory): both called directly
-    at once, then one control plane in front of both."""
+    at once, then one control plane in front of both; with `pin`, once more with each
+    engine core on a physical core of its own (bench/gpu_pin.py)."""
     settings = {**FAST_SETTINGS, "gpu_memory_utilization": 0.42}
     result: dict[str, Any] = {"label": "fast-two-workers", "settings": settings, "runs": []}
     logs = out / "logs-two"
@@ -393,7 +398,13 @@ def two_workers(model: Path, out: Path) -> dict[str, Any]:
         result["workers"] = list_workers(cp)
         worker_pids = _pids_named(proc.popen.pid, "pyworker")
         run_load("switchyard", cp, "m", 64, seed=99, processes=2)
-        for round_ in range(2):
+        cores = [c for w in worker_pids for c in _core("c", w).values()]
+        pinning = Pinning(cores, [proc.popen.pid])
+        result["cpus"] = pinning.describe()
+        rounds = ["free", "free", *(["pinned"] if pin else [])]
+        for round_, how in enumerate(rounds):
+            if how == "pinned":
+                result["pinned"] = pinning.pin()
             both: list[dict[str, Any]] = []
             batches: dict[str, Any] = {}
 
@@ -409,7 +420,7 @@ def two_workers(model: Path, out: Path) -> dict[str, Any]:
                 for t in threads:
                     t.join()
             combined = {
-                "label": "both workers directly, at once",
+                "label": "both workers directly, at once" + (", pinned" if how == "pinned" else ""),
                 "system": "worker-stream x2",
                 "requests": sum(r["requests"] for r in both),
                 "tokens": sum(r["tokens"] for r in both),
@@ -423,8 +434,10 @@ def two_workers(model: Path, out: Path) -> dict[str, Any]:
             log.info("run", system=combined["label"], tokens_per_s=round(combined["tokens_per_s"]))
             cpu = {"control": [proc.popen.pid]}
             with profiled(out, {"control-two": proc.popen.pid} if round_ == 0 else {}):
-                label = "control plane x1, two workers"
+                label = "control plane x1, two workers" + (", pinned" if how == "pinned" else "")
                 _run(result, label, "switchyard", cp, cpu, engines=workers)
+        if pin:
+            pinning.unpin()
         for n in TWO_WORKER_ROUTERS:
             remote = _remote("m", model, workers)
             with systems.control_plane(remote, logs, f"routers-{n}", n) as (rcp, rp):
@@ -438,6 +451,43 @@ def two_workers(model: Path, out: Path) -> dict[str, Any]:
                     cpu = {"control": rpids}
                     run = _run(result, label, "switchyard", rcp, cpu, engines=workers)
                 run["per_router_cpu_s"] = _per_process_cores(rpids)
+    return result
+
+
+def pinned_worker(model: Path, out: Path) -> dict[str, Any]:
+    """AsyncLLM in-process (two passes), then one worker called directly and through
+    one control plane, with its engine core free and pinned to a physical core of its
+    own, alternating (bench/gpu_pin.py)."""
+    settings = {**FAST_SETTINGS, "gpu_memory_utilization": 0.42}
+    result: dict[str, Any] = {"label": "fast-pinned", "settings": settings, "runs": []}
+    logs = out / "logs-pin"
+    logs.mkdir(parents=True, exist_ok=True)
+    beside = _AsyncLLMBeside(model, settings)
+    try:
+        with systems.control_plane(_model_yaml("m", model, settings), logs) as (cp, proc):
+            worker = list_workers(cp)[0]["address"]
+            for r in beside.run():
+                r["label"] = "AsyncLLM in-process"
+                result["runs"].append(r)
+                log.info("run", system="asyncllm", tokens_per_s=round(r["tokens_per_s"]))
+            worker_pids = _pids_named(proc.popen.pid, "pyworker")
+            cores = [c for w in worker_pids for c in _core("c", w).values()]
+            pinning = Pinning(cores, [proc.popen.pid])
+            result["cpus"] = pinning.describe()
+            cpu = {"worker": worker_pids, "engine": cores, "control": [proc.popen.pid]}
+            run_load("switchyard", cp, "m", 64, seed=99, processes=2)  # warm-up
+            for how in ("free", "pinned", "free", "pinned"):
+                if how == "pinned":
+                    result["pinned"] = pinning.pin()
+                else:
+                    pinning.unpin()
+                label = f"worker (GenerateStream), {how}"
+                _run(result, label, "worker-stream", worker, cpu, out=out, engines=[worker])
+                label = f"control plane x1, {how}"
+                _run(result, label, "switchyard", cp, cpu, out=out, engines=[worker])
+            pinning.unpin()
+    finally:
+        beside.stop()
     return result
 
 
@@ -459,6 +509,10 @@ def steps(phase: str, model: Path, out: Path) -> list[tuple[str, Callable[[], di
     before = Path(before_dir) if before_dir else None
     if phase == "fast":
         return [("fronts", lambda: fronts(model, out, before))]
+    if phase == "pin1":
+        return [("pinned-worker", lambda: pinned_worker(model, out))]
+    if phase == "pin2":
+        return [("two-workers", lambda: two_workers(model, out, pin=True))]
     out_steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("two-workers", lambda: two_workers(model, out)),
         ("vllm-grpc", lambda: peer("vllm-grpc", model, out)),
