@@ -105,6 +105,34 @@ def _core(name: str, root: int) -> dict[str, int]:
     return {name: pids[0]} if pids else {}
 
 
+def cpu_probe_ms(rounds: int = 3) -> float:
+    """The best of `rounds` timings of a fixed pure-Python loop, in ms."""
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        total = 0
+        for i in range(300_000):
+            total += i * i
+        best = min(best, (time.perf_counter() - t) * 1000)
+    return round(best, 2)
+
+
+def _steal() -> Callable[[], float]:
+    """The fraction of all CPU time stolen (by other guests) from now to the call."""
+
+    def read() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        return (fields[7] if len(fields) > 7 else 0), sum(fields)
+
+    s0, t0 = read()
+
+    def done() -> float:
+        s1, t1 = read()
+        return round((s1 - s0) / max(1, t1 - t0), 4)
+
+    return done
+
+
 def _cores(pids: list[int]) -> Callable[[], float]:
     """CPU seconds of `pids` since this call, as a function to call at the end."""
     start = systems.cpu_seconds(pids)
@@ -192,12 +220,18 @@ def _run(
     engines: list[str] | None = None,
 ) -> dict[str, Any]:
     meters = {name: _cores(pids) for name, pids in cpu.items()}
+    probe_before = cpu_probe_ms()
+    steal = _steal()
     started = time.monotonic()
     batches: dict[str, Any] = {}
     with engine_batches(engines or [], batches):
         run = run_load(target, address, "m", requests, seed=1, processes=CLIENTS, waves=WAVES)
     wall = time.monotonic() - started
     run.update(batches)
+    # How fast this host's CPUs were around the run (a shared machine's speed varies):
+    # a fixed pure-Python loop's time before and after, and the CPU time stolen by others.
+    run["cpu_probe_ms"] = [probe_before, cpu_probe_ms()]
+    run["steal_fraction"] = steal()
     run["label"] = label
     run["cores_busy"] = {name: round(m() / wall, 2) for name, m in meters.items()}
     log.info(
