@@ -116,6 +116,7 @@ class SimWorker:
         self.waiting = 0
         self.in_flight = 0  # the simulation's own count, exact
         self.in_flight_tokens = 0  # prompt plus remaining output tokens of those
+        self.in_flight_at_report = 0  # in_flight when running and waiting were read
         self.sim: Any = rt.SimExecutor(params.sim_config())
         self.t = 0.0  # this worker's clock, µs
         self.live: dict[int, int] = {}  # simulator request id -> request index
@@ -218,6 +219,7 @@ def simulate(
                 end_us = max(end_us, w.t)
         stats = w.sim.latest_stats()
         w.running, w.waiting = stats.active_requests, stats.queued_requests
+        w.in_flight_at_report = w.in_flight
         if w.in_flight:
             heapq.heappush(busy, (w.t, i))
     wall_s = time.perf_counter() - started

@@ -20,6 +20,8 @@ class Candidate(Protocol):
     def in_flight(self) -> int: ...  # requests this control plane has on it now
     @property
     def in_flight_tokens(self) -> int: ...  # their prompt plus remaining output tokens
+    @property
+    def in_flight_at_report(self) -> int: ...  # in_flight when the latest report came
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +42,12 @@ TOKENS_PER_REQUEST_WEIGHT = 1024
 
 
 def load_score(c: Candidate) -> float:
-    """Lower is less loaded. The worker's own report lags by up to one interval; the
-    control plane's in-flight counts are exact for its own requests, so take the larger
-    view of requests and add the token weight."""
-    requests = max(c.running + c.waiting, c.in_flight)
+    """Lower is less loaded. The worker's report counts every caller's requests but lags
+    by up to one interval; this process's own requests since then (sent, less ended) are
+    exact, so they correct it at once: without that, each of several router processes
+    sent every new request to the worker that looked lighter at the last report, and in
+    front of two workers their split settled at 527 and 471 of 1000 (H200, 2026-12-02).
+    Never less than this process's own count; plus the token weight."""
+    since = c.in_flight - c.in_flight_at_report
+    requests = max(c.running + c.waiting + since, c.in_flight)
     return requests + c.in_flight_tokens / TOKENS_PER_REQUEST_WEIGHT

@@ -150,6 +150,7 @@ class WorkerClient:
         self.leaving = False  # gone from DNS; removed once drained
         self.in_flight = 0
         self.in_flight_tokens = 0
+        self.in_flight_at_report = 0  # in_flight when `load` was reported
         self.load = Load()
         self.breaker = CircuitBreaker(failure_threshold=self.health_policy.failure_threshold)
         self.last_canary_ms: float | None = None

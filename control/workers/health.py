@@ -107,6 +107,7 @@ async def watch_load(worker: WorkerClient) -> None:
         try:
             call = worker.stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=250))
             async for r in call:
+                worker.in_flight_at_report = worker.in_flight
                 worker.load = Load(
                     r.running,
                     r.waiting,

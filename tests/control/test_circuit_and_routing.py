@@ -49,6 +49,7 @@ class W:
     waiting: int = 0
     in_flight: int = 0
     in_flight_tokens: int = 0
+    in_flight_at_report: int = 0
 
 
 REQ = RouteRequest(prompt_ids=list(range(100)), max_tokens=10, kv_block_size=16)
@@ -64,6 +65,26 @@ def test_least_load_uses_reports_and_own_counts() -> None:
     ws = [W("a", running=3), W("b", in_flight=2), W("c", running=1, in_flight_tokens=4096)]
     assert load_score(ws[2]) == pytest.approx(1 + 4)
     assert make_policy("least_load").choose(ws, REQ).address == "b"
+
+
+def test_least_load_counts_own_requests_since_the_report_in_full() -> None:
+    """Several router processes share workers: each sees the others' requests only in
+    the workers' reports, but its own at once. Four new requests after a report of 10
+    and 12 running go 2 and 2 (or 3 and 1), not all four to the one that looked lighter;
+    requests that ended since the report come off the reported count."""
+    ws = [W("a", running=10), W("b", running=12)]
+    p = make_policy("least_load")
+    picks = []
+    for _ in range(4):
+        w = p.choose(ws, REQ)
+        assert isinstance(w, W)
+        w.in_flight += 1
+        w.in_flight_tokens += 384
+        picks.append(w.address)
+    assert picks[:2] == ["a", "a"] and "b" in picks
+    ended = W("c", running=12, in_flight=1, in_flight_at_report=5)  # 4 of its own ended
+    assert load_score(ended) == pytest.approx(8)
+    assert load_score(W("d", running=0, in_flight=3, in_flight_at_report=3)) == 3  # own floor
 
 
 def test_power_of_two_prefers_the_lighter_of_two() -> None:
