@@ -429,7 +429,9 @@ def environment() -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--phase", choices=("fronts", "peers", "quant", "fast", "fast2", "pin1", "pin2"))
+    p.add_argument(
+        "--phase", choices=("fronts", "peers", "quant", "fast", "fast2", "pin1", "pin2", "routers2")
+    )
     p.add_argument("--out", type=Path)
     p.add_argument("--model-dir", type=Path, help="default: an 8B shape made in /tmp/llama-8b")
     p.add_argument("--smoke", action="store_true", help="a CPU check of the code paths")
@@ -459,7 +461,7 @@ def main() -> None:
     if args.smoke:
         smoke()
     args.out.mkdir(parents=True, exist_ok=True)
-    fast = args.phase in ("fast", "fast2", "pin1", "pin2")
+    fast = args.phase in ("fast", "fast2", "pin1", "pin2", "routers2")
     if args.model_dir:
         model = args.model_dir
     elif fast:

@@ -419,7 +419,13 @@ def before_worker(model: Path, out: Path, before: Path) -> dict[str, Any]:
     return result
 
 
-def two_workers(model: Path, out: Path, pin: bool = False) -> dict[str, Any]:
+def two_workers(
+    model: Path,
+    out: Path,
+    pin: bool = False,
+    rounds: int = 2,
+    routers: tuple[int, ...] = TWO_WORKER_ROUTERS,
+) -> dict[str, Any]:
     """Two workers on one GPU (each with under half of its memory): both called directly
     at once, then one control plane in front of both; with `pin`, once more with each
     engine core on a physical core of its own (bench/gpu_pin.py)."""
@@ -435,8 +441,7 @@ def two_workers(model: Path, out: Path, pin: bool = False) -> dict[str, Any]:
         cores = [c for w in worker_pids for c in _core("c", w).values()]
         pinning = Pinning(cores, [proc.popen.pid])
         result["cpus"] = pinning.describe()
-        rounds = ["free", "free", *(["pinned"] if pin else [])]
-        for round_, how in enumerate(rounds):
+        for round_, how in enumerate(["free"] * rounds + (["pinned"] if pin else [])):
             if how == "pinned":
                 result["pinned"] = pinning.pin()
             both: list[dict[str, Any]] = []
@@ -472,14 +477,14 @@ def two_workers(model: Path, out: Path, pin: bool = False) -> dict[str, Any]:
                 _run(result, label, "switchyard", cp, cpu, engines=workers)
         if pin:
             pinning.unpin()
-        for n in TWO_WORKER_ROUTERS:
+        for n in routers:
             remote = _remote("m", model, workers)
             with systems.control_plane(remote, logs, f"routers-{n}", n) as (rcp, rp):
-                routers = systems.descendants(rp.popen.pid)
-                rpids = [rp.popen.pid, *routers]
+                children = systems.descendants(rp.popen.pid)
+                rpids = [rp.popen.pid, *children]
                 label = f"control plane x{n}, two workers"
                 # two of its routers, and both workers (what the routers wait on)
-                targets = {f"router{n}-{i}": pid for i, pid in enumerate(routers[:2])}
+                targets = {f"router{n}-{i}": pid for i, pid in enumerate(children[:2])}
                 targets |= {f"worker{n}-{i}": pid for i, pid in enumerate(worker_pids[:2])}
                 with profiled(out, targets):
                     cpu = {"control": rpids}
@@ -547,6 +552,8 @@ def steps(phase: str, model: Path, out: Path) -> list[tuple[str, Callable[[], di
         return [("pinned-worker", lambda: pinned_worker(model, out))]
     if phase == "pin2":
         return [("two-workers", lambda: two_workers(model, out, pin=True))]
+    if phase == "routers2":  # the routers' split of two workers, once each
+        return [("two-workers", lambda: two_workers(model, out, rounds=1, routers=(4,)))]
     out_steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("two-workers", lambda: two_workers(model, out)),
         ("vllm-grpc", lambda: peer("vllm-grpc", model, out)),
