@@ -10,6 +10,7 @@ from __future__ import annotations
 from switchyard_common.rpc_status import FieldViolation
 
 __all__ = [
+    "AdapterNotFound",
     "AlreadyExists",
     "FieldViolation",
     "Internal",
@@ -68,6 +69,15 @@ class AlreadyExists(SwitchyardError):
 
 class NotFound(SwitchyardError):
     """An operator named something that is not there (a model to unload, a worker)."""
+
+
+class AdapterNotFound(NotFound):
+    """A request (or UnloadAdapter) named a LoRA adapter the model does not hold."""
+
+    def __init__(self, model: str, adapter: str, known: list[str]) -> None:
+        self.adapter = adapter
+        held = ", ".join(known) or "none"
+        super().__init__(f"model {model!r} holds no adapter {adapter!r} (it holds: {held})")
 
 
 class LoadFailed(SwitchyardError):

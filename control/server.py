@@ -38,6 +38,7 @@ from control.api.admin import AdminServicer
 from control.api.auth import AuthInterceptor, TokenStore
 from control.api.generation import GenerationServicer
 from control.config import ModelSpec, ServeConfig, TlsConfig
+from control.fleet.adapters import AdapterManager
 from control.fleet.gauges import FleetCollector
 from control.fleet.lifecycle import ModelLoader, StartupError
 from control.fleet.models import ModelRegistry
@@ -128,7 +129,9 @@ class ControlPlane:
             self.forwarder = admin = AdminForwarder(self.router_of)
         else:
             on_change = self._models_changed if self.routers > 1 else None
-            admin = AdminServicer(self.registry, self.loader, on_change)
+            adapters = AdapterManager(self.registry)
+            admin = AdminServicer(self.registry, self.loader, on_change, adapters)
+            self._spawn(adapters.sync_forever(), "adapter sync")
         services = [GENERATION_SERVICE, health.SERVICE_NAME]
         if self.config.admin:
             services.append(ADMIN_SERVICE)

@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from pyworker.adapters import LoraLimits
 from pyworker.engine_args import blame, current_machine, engine_arg_names, resolve
 from pyworker.gpu_memory import GpuMemoryReader
 from pyworker.stderr_tail import StderrTail
@@ -47,6 +48,7 @@ class EngineInfo:
     max_num_tokens: int = 0
     # The OutputConstraint kinds its structured-output backend takes (Capabilities).
     structured_output: tuple[str, ...] = ()
+    lora: LoraLimits = field(default_factory=LoraLimits)  # the engine's LoRA settings
 
 
 @dataclass
@@ -284,6 +286,7 @@ def engine_info(llm: Any, model: str) -> EngineInfo:
         max_batch_size=int(getattr(scheduler_config, "max_num_seqs", 0) or 0),
         max_num_tokens=int(getattr(scheduler_config, "max_num_batched_tokens", 0) or 0),
         structured_output=_structured_output_kinds(vllm_config),
+        lora=LoraLimits.of(getattr(vllm_config, "lora_config", None)),
     )
 
 

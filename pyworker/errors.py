@@ -16,8 +16,10 @@ from switchyard_common.rpc_status import FieldViolation, Trailers, status_traile
 __all__ = [
     "AlreadyExists",
     "EngineFailure",
+    "FailedPrecondition",
     "FieldViolation",
     "InvalidArgument",
+    "NotFound",
     "Overloaded",
     "Unavailable",
     "WorkerError",
@@ -54,6 +56,24 @@ class InvalidArgument(WorkerError):
 
 class AlreadyExists(WorkerError):
     code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class NotFound(WorkerError):
+    """A name the worker does not hold (a LoRA adapter)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+    @classmethod
+    def field(cls, field: str, description: str) -> NotFound:
+        err = cls(description)
+        err.violations = (FieldViolation(field, description),)
+        return err
+
+
+class FailedPrecondition(WorkerError):
+    """The engine lacks what the call needs (LoRA on an engine started without it)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class EngineFailure(WorkerError):

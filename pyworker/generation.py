@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable
@@ -18,6 +19,7 @@ import structlog
 from switchyard.v1 import common_pb2
 from switchyard.worker.v1 import worker_pb2
 
+from pyworker.adapters import Adapter, Adapters
 from pyworker.engine import Engine
 from pyworker.errors import (
     AlreadyExists,
@@ -31,6 +33,8 @@ from pyworker.load import InFlight, TokenRate
 from pyworker.request import ParsedGenerate, log_ids, parse_generate
 
 log = structlog.get_logger(__name__)
+
+ABORTED_END_S = 10.0  # how long an unload waits for the requests it aborted to end
 
 _FINISH_REASONS = {
     "length": common_pb2.FINISH_REASON_LENGTH,
@@ -70,6 +74,7 @@ class Generations:
         self._inflight: dict[str, InFlight] = {}
         self._rate = TokenRate(window_s=rate_window_s)
         self._background: set[asyncio.Task[None]] = set()
+        self.adapters = Adapters(engine.info.lora)
 
     @property
     def engine(self) -> Engine:
@@ -96,10 +101,15 @@ class Generations:
                 raise Unavailable("the engine is dead; this worker is restarting")
             if request_id in self._inflight:
                 raise AlreadyExists(f"request_id {request_id!r} is already in flight")
+            if parsed.adapter:
+                lora = self.adapters.acquire(parsed.adapter, request_id)
+                parsed = dataclasses.replace(parsed, lora_request=lora)
         except WorkerError as exc:
             log.info("generate rejected", request_id=request_id, code=exc.code.name, error=str(exc))
             raise
-        state = InFlight(request_id, prompt_tokens=len(parsed.prompt_token_ids))
+        state = InFlight(
+            request_id, prompt_tokens=len(parsed.prompt_token_ids), adapter=parsed.adapter
+        )
         self._inflight[request_id] = state
         return state, parsed
 
@@ -170,6 +180,8 @@ class Generations:
         (a start cancelled before its task began)."""
         if self._inflight.get(state.request_id) is state:
             del self._inflight[state.request_id]
+            if state.adapter:
+                self.adapters.release(state.adapter, state.request_id)
 
     async def _stream(
         self,
@@ -192,6 +204,7 @@ class Generations:
             state.request_id,
             priority=parsed.priority,
             trace_headers=self._engine.trace_headers(parsed.trace_headers),
+            lora_request=parsed.lora_request,
         )
         try:
             # After the finished output the generator ends by itself; leaving the loop
@@ -330,6 +343,44 @@ class Generations:
                 raise EngineFailure(f"engine abort failed: {describe(exc)}") from exc
             log.info("aborted", request_ids=ids)
         return len(ids)
+
+    async def load_adapter(self, name: str, path: str) -> Adapter:
+        """Load a LoRA adapter into the engine ahead of its requests (vLLM's add_lora);
+        loading the one already held under that name and path again is a no-op."""
+        held = self.adapters.check_load(name, path)
+        if held is not None:
+            return held
+        lora, lora_id = self.adapters.new_request(name, path)
+        with self.adapters.loading(name):
+            try:
+                await self._engine.llm.add_lora(lora)
+            except Exception as exc:
+                log.warning("adapter failed to load", adapter=name, path=path, exc_info=True)
+                raise InvalidArgument.field(
+                    "path", f"the engine could not load the adapter: {describe(exc)}"
+                ) from exc
+            return self.adapters.add(name, path, lora, lora_id)
+
+    async def unload_adapter(self, name: str, grace_s: float) -> tuple[int, int]:
+        """Stop new requests for the adapter at once, wait up to `grace_s` for those
+        in flight, cancel the rest, then drop it from the engine: (drained, cancelled)."""
+        adapter = self.adapters.begin_unload(name)
+        at_start = len(adapter.in_flight)
+        cancelled = 0
+        try:
+            await asyncio.wait_for(adapter.idle.wait(), grace_s)
+        except TimeoutError:
+            cancelled = await self.abort(list(adapter.in_flight))
+            with contextlib.suppress(TimeoutError):  # aborted requests end promptly
+                await asyncio.wait_for(adapter.idle.wait(), ABORTED_END_S)
+        try:
+            await self._engine.llm.remove_lora(adapter.lora_id)
+        except Exception:  # the engine may drop it later; the name is gone either way
+            log.warning("engine remove_lora failed", adapter=name, exc_info=True)
+        self.adapters.remove(adapter)
+        drained = at_start - cancelled
+        log.info("adapter unload done", adapter=name, drained=drained, cancelled=cancelled)
+        return drained, cancelled
 
     def load_report(self) -> Any:
         """The current load, with stale engine stats bounded by the worker's own count."""

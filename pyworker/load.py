@@ -20,6 +20,7 @@ class InFlight:
     finished: bool = False  # the engine reported the request finished
     prompt_tokens: int = 0
     completion_tokens: int = 0  # streamed so far
+    adapter: str = ""  # the LoRA adapter it uses
 
 
 class TokenRate:

@@ -120,6 +120,7 @@ class StreamedRequest:
                 self._parsed.sampling_params,
                 priority=self._parsed.priority,
                 trace_headers=engine.trace_headers(self._parsed.trace_headers),
+                lora_request=self._parsed.lora_request,
             )
         except BaseException as exc:
             # Whatever part of the request vLLM took, the abort that follows covers.

@@ -41,6 +41,8 @@ class ParsedGenerate:
     # the request at add time is about (its structured-output errors name none).
     constraint_field: str | None = None
     prompt_logprobs: int | None = None  # top-n for each prompt token, in the first chunk
+    adapter: str = ""  # the LoRA adapter's name ("" for the base model)
+    lora_request: Any = None  # its vllm LoRARequest, once admitted
 
     @property
     def trace_id(self) -> str | None:
@@ -140,6 +142,7 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
         trace_headers=_trace_headers(request),
         constraint_field=constraint_field,
         prompt_logprobs=prompt_logprobs,
+        adapter=str(request.adapter),
     )
 
 

@@ -18,6 +18,7 @@ import structlog
 from switchyard.v1 import common_pb2
 from switchyard.worker.v1 import worker_pb2
 
+from pyworker.adapters import Adapter
 from pyworker.engine import Engine
 from pyworker.errors import WorkerError, abort_with
 from pyworker.generation import Generations, StreamClosed
@@ -34,7 +35,8 @@ _NO_DEADLINE_S = 1e7  # time_remaining() beyond this means "no deadline"
 
 
 class WorkerServicer:
-    """Implements Generate, GenerateStream, Abort, GetInfo and StreamLoad for one engine."""
+    """Implements Generate, GenerateStream, Abort, GetInfo, StreamLoad, LoadAdapter and
+    UnloadAdapter for one engine."""
 
     def __init__(self, engine: Engine, *, rate_window_s: float = 2.0) -> None:
         self._engine = engine
@@ -95,7 +97,30 @@ class WorkerServicer:
                 max_n=1,
                 prompt_logprobs=True,
                 structured_output=info.structured_output,
+                lora=info.lora.enabled,
+                max_loras=info.lora.max_loras,
+                max_lora_rank=info.lora.max_lora_rank,
             ),
+            adapters=[_adapter_info(a) for a in self.generations.adapters.all()],
+        )
+
+    async def LoadAdapter(self, request: Any, context: Context) -> Any:
+        try:
+            adapter = await self.generations.load_adapter(request.name, request.path)
+        except WorkerError as exc:
+            log.info("load adapter refused", adapter=request.name, error=exc.message)
+            await abort_with(context, exc)
+        return worker_pb2.LoadAdapterResponse(adapter=_adapter_info(adapter))
+
+    async def UnloadAdapter(self, request: Any, context: Context) -> Any:
+        try:
+            drained, cancelled = await self.generations.unload_adapter(
+                request.name, request.grace_ms / 1000.0
+            )
+        except WorkerError as exc:
+            await abort_with(context, exc)
+        return worker_pb2.UnloadAdapterResponse(
+            waited_requests=drained, cancelled_requests=cancelled
         )
 
     async def StreamLoad(self, request: Any, context: Context) -> None:
@@ -113,6 +138,12 @@ class WorkerServicer:
 
     def load_report(self) -> Any:
         return self.generations.load_report()
+
+
+def _adapter_info(adapter: Adapter) -> Any:
+    return worker_pb2.AdapterInfo(
+        name=adapter.name, path=adapter.path, rank=adapter.rank, in_flight=len(adapter.in_flight)
+    )
 
 
 class CallSink:

@@ -21,6 +21,7 @@ from control.errors import (
     NotFound,
     SwitchyardError,
 )
+from control.fleet.adapters import AdapterManager, AdapterSpec
 from control.fleet.lifecycle import ModelLoader
 from control.fleet.models import ModelEntry, ModelRegistry
 from control.workers.client import WorkerClient
@@ -48,6 +49,7 @@ def worker_status(entry: ModelEntry, w: WorkerClient) -> admin_pb2.WorkerStatus:
         local=proc is not None,
         process=proc.status if proc else "",
         restarts=proc.restarts if proc else 0,
+        adapters=sorted(w.adapters),
         **_engine_shape(w),
     )
 
@@ -105,10 +107,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
         registry: ModelRegistry,
         loader: ModelLoader,
         on_change: Callable[[], None] | None = None,
+        adapters: AdapterManager | None = None,
     ) -> None:
         self._registry = registry
         self._loader = loader
         self._on_change = on_change or (lambda: None)  # the set of models changed
+        self._adapters = adapters or AdapterManager(registry)
 
     async def LoadModel(
         self, request: admin_pb2.LoadModelRequest, context: Context
@@ -173,6 +177,49 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
         return admin_pb2.DrainWorkerResponse(
             worker=worker_status(entry, worker), in_flight_left=result.left_after_grace
         )
+
+    async def LoadAdapter(
+        self, request: admin_pb2.LoadAdapterRequest, context: Context
+    ) -> admin_pb2.LoadAdapterResponse:
+        try:
+            spec, seconds = await self._adapters.load(request.model, request.name, request.path)
+            entry = self._registry.get(request.model)
+        except SwitchyardError as e:
+            await _abort(context, e)
+        return admin_pb2.LoadAdapterResponse(adapter=_adapter(entry, spec), load_seconds=seconds)
+
+    async def UnloadAdapter(
+        self, request: admin_pb2.UnloadAdapterRequest, context: Context
+    ) -> admin_pb2.UnloadAdapterResponse:
+        grace = request.grace_s if request.HasField("grace_s") else DEFAULT_GRACE_S
+        try:
+            drained, cancelled = await self._adapters.unload(request.model, request.name, grace)
+        except SwitchyardError as e:
+            await _abort(context, e)
+        return admin_pb2.UnloadAdapterResponse(
+            drained_requests=drained, cancelled_requests=cancelled
+        )
+
+    async def ListAdapters(
+        self, request: admin_pb2.ListAdaptersRequest, context: Context
+    ) -> admin_pb2.ListAdaptersResponse:
+        try:
+            listed = self._adapters.listed(request.model)
+        except SwitchyardError as e:
+            await _abort(context, e)
+        return admin_pb2.ListAdaptersResponse(adapters=[_adapter(e, s) for e, s in listed])
+
+
+def _adapter(entry: ModelEntry, spec: AdapterSpec) -> admin_pb2.Adapter:
+    holders = [w for w in entry.workers if spec.name in w.adapters]
+    return admin_pb2.Adapter(
+        model=entry.name,
+        name=spec.name,
+        path=spec.path,
+        rank=spec.rank,
+        workers=[w.address for w in holders],
+        in_flight=sum(1 for w in holders for c in w.calls if c.adapter == spec.name),
+    )
 
 
 async def _abort(context: Context, err: SwitchyardError) -> NoReturn:

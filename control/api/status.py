@@ -8,6 +8,7 @@ from typing import Any, NoReturn
 import grpc
 
 from control.errors import (
+    AdapterNotFound,
     AlreadyExists,
     FailedPrecondition,
     Internal,
@@ -61,6 +62,8 @@ def to_rpc_status(err: SwitchyardError) -> tuple[grpc.StatusCode, str, Trailers]
         return code, message, status_trailers(code, message, precondition=precondition)
     if isinstance(err, ModelNotFound):
         return code, message, status_trailers(code, message, resource=("model", err.model))
+    if isinstance(err, AdapterNotFound):
+        return code, message, status_trailers(code, message, resource=("adapter", err.adapter))
     return code, message, status_trailers(code, message)
 
 

@@ -3,8 +3,9 @@ routing policy and workers."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 from control.config import ModelSpec
 from control.errors import ModelNotFound, NoHealthyWorker
@@ -28,6 +29,11 @@ class ModelEntry:
     metrics: ModelMetrics = field(init=False)
     accepting: bool = True  # False while the model is being unloaded
     local: list[LocalWorker] = field(default_factory=list)  # processes started for it
+    # The LoRA adapters it should hold (control/fleet/adapters.py): name -> AdapterSpec.
+    adapters: dict[str, Any] = field(default_factory=dict)
+    # A router process: asks the supervisor which worker holds what, now (an adapter
+    # loaded since it last looked). None in the supervisor, which knows.
+    refresh: Callable[[], Awaitable[None]] | None = None
 
     def __post_init__(self) -> None:
         self.policy = make_policy(self.spec.routing)
@@ -44,14 +50,23 @@ class ModelEntry:
     def limits(self) -> ModelLimits:
         return ModelLimits(max_context=self.info.max_context, vocab_size=self.info.vocab_size)
 
+    def adapter_names(self) -> list[str]:
+        """The adapters some worker of the model holds now."""
+        return sorted({a for w in self.workers for a in w.adapters})
+
     def healthy_workers(self) -> list[WorkerClient]:
         return [w for w in self.workers if w.healthy]
 
     def pick_worker(
-        self, request: RouteRequest, exclude: Collection[WorkerClient] = ()
+        self, request: RouteRequest, exclude: Collection[WorkerClient] = (), adapter: str = ""
     ) -> WorkerClient:
-        """Health and circuit filtering first, then the model's policy."""
-        candidates = [w for w in self.workers if w.healthy and w not in exclude]
+        """Health and circuit filtering (and, for an adapter, the workers that hold it)
+        first, then the model's policy."""
+        candidates = [
+            w
+            for w in self.workers
+            if w.healthy and w not in exclude and (not adapter or adapter in w.adapters)
+        ]
         if not candidates:
             tried = f", {len(exclude)} already failed this request" if exclude else ""
             raise NoHealthyWorker(

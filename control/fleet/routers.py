@@ -210,21 +210,38 @@ class AdminForwarder(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
     async def DrainWorker(self, request: Any, context: Any) -> Any:
         return await self._forward(self._stub.DrainWorker, request, context)
 
+    async def LoadAdapter(self, request: Any, context: Any) -> Any:
+        return await self._forward(self._stub.LoadAdapter, request, context)
+
+    async def UnloadAdapter(self, request: Any, context: Any) -> Any:
+        return await self._forward(self._stub.UnloadAdapter, request, context)
+
+    async def ListAdapters(self, request: Any, context: Any) -> Any:
+        return await self._forward(self._stub.ListAdapters, request, context)
+
     async def follow(self, registry: ModelRegistry) -> None:
-        """Mirror the supervisor's worker drains into this router's view."""
+        """Mirror the supervisor's worker drains and adapters into this router's view;
+        a request for an adapter this router has not seen yet asks at once (`refresh`)."""
+        for entry in registry.all():
+            entry.refresh = lambda: self.refresh(registry)
         while True:
             await asyncio.sleep(FOLLOW_INTERVAL_S)
-            try:
-                listed = await self._stub.ListWorkers(
-                    admin_pb2.ListWorkersRequest(), timeout=5, metadata=self._own_token
-                )
-            except grpc.aio.AioRpcError as e:
-                log.warning("supervisor unreachable", code=e.code().name)
-                continue
-            draining = {(w.model, w.address) for w in listed.workers if w.draining}
-            for entry in registry.all():
-                for worker in entry.workers:
-                    worker.draining = (entry.name, worker.address) in draining
+            await self.refresh(registry)
+
+    async def refresh(self, registry: ModelRegistry) -> None:
+        try:
+            listed = await self._stub.ListWorkers(
+                admin_pb2.ListWorkersRequest(), timeout=5, metadata=self._own_token
+            )
+        except grpc.aio.AioRpcError as e:
+            log.warning("supervisor unreachable", code=e.code().name)
+            return
+        seen = {(w.model, w.address): w for w in listed.workers}
+        for entry in registry.all():
+            for worker in entry.workers:
+                status = seen.get((entry.name, worker.address))
+                worker.draining = status is not None and status.draining
+                worker.adapters = set(status.adapters) if status is not None else set()
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -27,7 +27,6 @@ from switchyard.v1 import common_pb2, generation_pb2
 from switchyard.worker.v1 import worker_pb2
 
 from control.errors import (
-    FailedPrecondition,
     FieldViolation,
     InvalidArgument,
     NoHealthyWorker,
@@ -36,6 +35,7 @@ from control.errors import (
     WorkerFailed,
 )
 from control.fleet.models import ModelEntry
+from control.request.capabilities import check_adapter, check_capabilities
 from control.request.failover import DEFAULT_POLICY, Next
 from control.routing import RouteRequest
 from control.text.params import GenerationParams
@@ -107,6 +107,8 @@ def build_worker_request(
         req.constraint.CopyFrom(params.constraint.to_proto())
     if params.prompt_logprobs is not None:
         req.prompt_logprobs = params.prompt_logprobs
+    if params.adapter:
+        req.adapter = params.adapter
     return req
 
 
@@ -124,46 +126,6 @@ async def encode_prompt(
     if len(text) <= TOKENIZE_INLINE_MAX_CHARS:
         return tokenizer.encode(text, add_special_tokens)
     return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
-
-
-def check_capabilities(entry: ModelEntry, params: GenerationParams) -> None:
-    """Refuse, before any worker is called, what the model's engine cannot do (as its
-    workers declare it): FAILED_PRECONDITION for a missing feature, INVALID_ARGUMENT for
-    a value beyond the engine's own limit; both name the field and the engine."""
-    caps = entry.info.capabilities
-    if caps is None:  # workers from before capabilities: they judge for themselves
-        return
-    engine = f"model {entry.name!r} ({entry.info.label})"
-    if params.logprobs is not None and params.logprobs > caps.max_logprobs:
-        if caps.max_logprobs == 0:
-            raise FailedPrecondition(
-                f"output.logprobs: {engine} returns the sampled token's log probability only, "
-                f"not {params.logprobs} alternatives (ask for 0)",
-                field="output.logprobs",
-            )
-        raise InvalidArgument.one(
-            "output.logprobs",
-            f"{engine} returns at most {caps.max_logprobs} alternatives, got {params.logprobs}",
-        )
-    wanted = params.prompt_logprobs
-    if wanted is not None and not caps.prompt_logprobs:
-        raise FailedPrecondition(
-            f"output.prompt_logprobs: {engine} does not return the prompt's log probabilities",
-            field="output.prompt_logprobs",
-        )
-    if wanted is not None and wanted > caps.max_logprobs:
-        raise InvalidArgument.one(
-            "output.prompt_logprobs",
-            f"{engine} returns at most {caps.max_logprobs} alternatives, got {wanted}",
-        )
-    constraint = params.constraint
-    if constraint is not None and constraint.kind not in caps.structured_output:
-        takes = ", ".join(sorted(caps.structured_output)) or "none"
-        raise FailedPrecondition(
-            f"{constraint.field}: {engine} does not constrain its output by "
-            f"{constraint.kind} (structured output it takes: {takes})",
-            field=constraint.field,
-        )
 
 
 async def encode_chat(entry: ModelEntry, messages: Sequence[tuple[str, str]]) -> list[int]:
@@ -202,6 +164,7 @@ async def run_generation(
     (raising Overloaded beyond its rate) and gets back what was not generated."""
     deadline = None if time_remaining is None else time.monotonic() + time_remaining
     check_capabilities(entry, params)
+    await check_adapter(entry, params)
     prompt_ids = await prompt_ids_of(entry, params)
     max_tokens = entry.limits.bind(params, prompt_ids)
     charged = 0
@@ -209,7 +172,9 @@ async def run_generation(
         charged = len(prompt_ids) + max_tokens
         budget.take_tokens(charged)
 
-    final = generation_pb2.Final(request_id=params.request_id, engine=entry.info.label)
+    final = generation_pb2.Final(
+        request_id=params.request_id, engine=entry.info.label, adapter=params.adapter
+    )
     final.usage.prompt_tokens = len(prompt_ids)
     wait = _remaining(deadline)
     span = tracer.start_span(
@@ -332,7 +297,7 @@ class _Run:
                 attributes={"switchyard.policy": self.entry.spec.routing},
             )
             try:
-                worker = self.entry.pick_worker(route, exclude=tried)
+                worker = self.entry.pick_worker(route, tried, self.params.adapter)
                 span.set_attribute("switchyard.worker", worker.address)
             except NoHealthyWorker as e:
                 span.set_attribute("switchyard.outcome", "no_healthy_worker")

@@ -20,12 +20,8 @@ from opentelemetry.context import Context
 from switchyard.v1 import common_pb2, generation_pb2
 
 from control.fleet.models import ModelEntry
-from control.request.generation import (
-    TokenBudget,
-    check_capabilities,
-    prompt_ids_of,
-    run_generation,
-)
+from control.request.capabilities import check_adapter, check_capabilities
+from control.request.generation import TokenBudget, prompt_ids_of, run_generation
 from control.text.params import GenerationParams
 
 _Item = tuple[int, generation_pb2.GenerateResponse | BaseException | None]
@@ -69,6 +65,7 @@ async def run_samples(
                 yield msg
         return
     check_capabilities(entry, params)
+    await check_adapter(entry, params)
     prompt_ids = await prompt_ids_of(entry, params)
     queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=QUEUE_PER_SAMPLE * params.n)
 

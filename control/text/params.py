@@ -9,6 +9,7 @@ context) once the prompt is tokenized, and settles `max_tokens`.
 from __future__ import annotations
 
 import math
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_REQUEST_ID = 128
 MAX_SAMPLES = 16  # n: samples of one prompt, fanned out by the control plane
+# A LoRA adapter's name (LoadAdapter, GenerateRequest.adapter).
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,7 @@ class GenerationParams:
     constraint: Constraint | None = None  # structured output
     prompt_logprobs: int | None = None  # top-n for each prompt token, in the first chunk
     n: int = 1  # samples of this prompt
+    adapter: str = ""  # the LoRA adapter's name; "" for the base model
 
     @property
     def prompt_field(self) -> str:
@@ -208,6 +212,9 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
     if n > MAX_SAMPLES:
         v.append(FieldViolation("n", f"at most {MAX_SAMPLES} samples, got {n}"))
 
+    if req.adapter and not ADAPTER_NAME.fullmatch(req.adapter):
+        v.append(FieldViolation("adapter", "must be 1 to 64 of A-Z a-z 0-9 . _ -"))
+
     request_id = req.request_id
     if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
         v.append(FieldViolation("request_id", f"at most {MAX_REQUEST_ID} printable characters"))
@@ -234,6 +241,7 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
         constraint=constraint,
         prompt_logprobs=prompt_logprobs,
         n=n,
+        adapter=req.adapter,
     )
 
 

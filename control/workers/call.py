@@ -116,10 +116,12 @@ class WorkerCall:
         worker: WorkerClient,
         start: Callable[[], EventSource],
         cost_tokens: int,
+        adapter: str = "",
     ) -> None:
         self._worker = worker
         self._start = start
         self._cost = cost_tokens
+        self.adapter = adapter  # the LoRA adapter it uses ("" for none)
         self._source: EventSource | None = None
         self._ejected = False
         self._finished = False

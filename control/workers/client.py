@@ -19,11 +19,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from switchyard.v1 import common_pb2
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
+from control.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    Overloaded,
+    SwitchyardError,
+    WorkerFailed,
+)
 from control.workers import health
 from control.workers.call import WorkerCall
 from control.workers.circuit import CircuitBreaker
 from control.workers.health import Load
 from control.workers.stream import StreamSession
+from switchyard_common.rpc_status import read_details
 
 log = structlog.get_logger(__name__)
 
@@ -151,6 +162,7 @@ class WorkerClient:
         self.in_flight = 0
         self.in_flight_tokens = 0
         self.in_flight_at_report = 0  # in_flight when `load` was reported
+        self.adapters: set[str] = set()  # the LoRA adapters it holds, as far as we know
         self.load = Load()
         self.breaker = CircuitBreaker(failure_threshold=self.health_policy.failure_threshold)
         self.last_canary_ms: float | None = None
@@ -172,10 +184,17 @@ class WorkerClient:
                     self.stub, self.address, on_break=self.breaker.record_failure
                 )
             stream = self._stream
-            return WorkerCall(self, lambda: stream.open(request, timeout), cost_tokens)
+            return WorkerCall(
+                self, lambda: stream.open(request, timeout), cost_tokens, request.adapter
+            )
         # Generate keys requests by request_id on the worker: make each attempt's unique.
         request.request_id = f"{request.request_id}~{next(self._attempts)}"
-        return WorkerCall(self, lambda: self.stub.Generate(request, timeout=timeout), cost_tokens)
+        return WorkerCall(
+            self,
+            lambda: self.stub.Generate(request, timeout=timeout),
+            cost_tokens,
+            request.adapter,
+        )
 
     @property
     def healthy(self) -> bool:
@@ -235,6 +254,25 @@ class WorkerClient:
         )
         return self.info
 
+    async def load_adapter(self, name: str, path: str, timeout: float = 300.0) -> int:
+        """Load a LoRA adapter on this worker; its rank. Raises a SwitchyardError."""
+        req = worker_pb2.LoadAdapterRequest(name=name, path=path)
+        try:
+            r = await self.stub.LoadAdapter(req, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise admin_error(self.address, e) from e
+        return int(r.adapter.rank)
+
+    async def unload_adapter(self, name: str, grace_s: float) -> tuple[int, int]:
+        """Unload it once its requests are done (up to `grace_s`, then they are
+        cancelled): (drained, cancelled). Raises a SwitchyardError."""
+        req = worker_pb2.UnloadAdapterRequest(name=name, grace_ms=round(grace_s * 1000))
+        try:
+            r = await self.stub.UnloadAdapter(req, timeout=grace_s + 60.0)
+        except grpc.aio.AioRpcError as e:
+            raise admin_error(self.address, e) from e
+        return int(r.waited_requests), int(r.cancelled_requests)
+
     async def wait_ready(self, timeout: float, poll: float = 0.5) -> WorkerInfo:
         """Poll health until SERVING, then read GetInfo; start following health and load."""
         deadline = time.monotonic() + timeout
@@ -274,3 +312,22 @@ class WorkerClient:
         if self._stream is not None:
             await self._stream.close()
         await self.channel.close(grace=None)
+
+
+def admin_error(address: str, e: grpc.aio.AioRpcError) -> SwitchyardError:
+    """A worker's answer to an adapter call, as the control plane's error: the caller
+    hears the worker's code, its field violations and its words, with its address."""
+    code = e.code()
+    message = f"worker {address}: {e.details() or code.name}"
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        said = read_details(e.trailing_metadata()).violations
+        return InvalidArgument(list(said) or [FieldViolation("path", message)])
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFound(message)
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return AlreadyExists(message)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(message, retry_after_s=0.0)
+    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+        return FailedPrecondition(f"{message} (this worker has no LoRA)", field="adapter")
+    return WorkerFailed(address, e.details() or code.name)

@@ -92,12 +92,15 @@ async def watch_health(worker: WorkerClient) -> None:
                 serving = resp.status == health_pb2.HealthCheckResponse.SERVING
                 if serving != worker.serving:
                     log.info("worker health", worker=worker.address, serving=serving)
+                if not serving:
+                    worker.adapters.clear()  # a worker that comes back holds none
                 worker.serving = serving
                 backoff = 0.2
         except grpc.aio.AioRpcError as e:
             if worker.serving:
                 log.warning("worker unreachable", worker=worker.address, code=e.code().name)
             worker.serving = False
+            worker.adapters.clear()
         await asyncio.sleep(backoff)
         backoff = min(backoff * 2, 5.0)
 

@@ -131,11 +131,13 @@ def generate_request(
     regex: str | None = None,
     choice: Sequence[str] | None = None,
     grammar: str | None = None,
+    adapter: str = "",
 ) -> generation_pb2.GenerateRequest:
     """A `GenerateRequest`: `prompt` is text, token ids, or a conversation
     (`[{"role": "user", "content": "Hi"}]`, rendered by the model's chat template on the
     server). Structured output: at most one of `json_schema` (a dict or JSON text),
-    `json_object`, `regex`, `choice`, `grammar`. Unset values take the server's defaults.
+    `json_object`, `regex`, `choice`, `grammar`. `adapter` names a LoRA adapter loaded
+    on the model (`load_adapter`). Unset values take the server's defaults.
     The request id is fixed here, so that retries keep it."""
     sampling = common_pb2.SamplingParams()
     values = locals()
@@ -166,6 +168,7 @@ def generate_request(
         request_id=request_id or uuid.uuid4().hex,
         priority=priority,
         n=n,
+        adapter=adapter,
     )
     _constrain(req, json_schema, json_object, regex, choice, grammar)
     if isinstance(prompt, str):
@@ -236,6 +239,15 @@ def tokenize_request(
 
 def unload_request(name: str, grace_s: float | None) -> admin_pb2.UnloadModelRequest:
     req = admin_pb2.UnloadModelRequest(name=name)
+    if grace_s is not None:
+        req.grace_s = grace_s
+    return req
+
+
+def unload_adapter_request(
+    model: str, name: str, grace_s: float | None
+) -> admin_pb2.UnloadAdapterRequest:
+    req = admin_pb2.UnloadAdapterRequest(model=model, name=name)
     if grace_s is not None:
         req.grace_s = grace_s
     return req

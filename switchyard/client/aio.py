@@ -37,6 +37,7 @@ from switchyard.client._common import (
     metadata,
     remaining,
     tokenize_request,
+    unload_adapter_request,
     unload_request,
 )
 from switchyard.client.errors import from_rpc_error
@@ -249,6 +250,30 @@ class AsyncClient:
     ) -> Any:
         req = unload_request(name, grace_s)
         return await self._unary(self._admin.UnloadModel, req, timeout)
+
+    async def load_adapter(
+        self, model: str, name: str, path: str, *, timeout: float | None = 600.0
+    ) -> Any:
+        """Load a LoRA adapter (a directory every worker of the model can read) on every
+        worker of `model`; requests then name it (`adapter=`)."""
+        req = admin_pb2.LoadAdapterRequest(model=model, name=name, path=path)
+        return await self._unary(self._admin.LoadAdapter, req, timeout)
+
+    async def unload_adapter(
+        self,
+        model: str,
+        name: str,
+        *,
+        grace_s: float | None = None,
+        timeout: float | None = 600.0,
+    ) -> Any:
+        """Stop new requests for it; wait up to `grace_s` for those in flight."""
+        req = unload_adapter_request(model, name, grace_s)
+        return await self._unary(self._admin.UnloadAdapter, req, timeout)
+
+    async def adapters(self, model: str = "", *, timeout: float | None = None) -> list[Any]:
+        req = admin_pb2.ListAdaptersRequest(model=model)
+        return list((await self._unary(self._admin.ListAdapters, req, timeout)).adapters)
 
     async def drain(
         self, address: str, *, grace_s: float | None = None, timeout: float | None = 600.0

@@ -60,6 +60,7 @@ class Final:
     error_message: str = ""
     index: int = 0  # which sample this ends (n > 1)
     total_usage: Usage | None = None  # the last Final of n > 1: all samples, prompt once
+    adapter: str = ""  # the LoRA adapter that served it
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +136,7 @@ def final_of(msg: Any) -> Final:
         error_message=msg.error_message,
         index=msg.index,
         total_usage=_usage(msg.total_usage) if msg.HasField("total_usage") else None,
+        adapter=msg.adapter,
     )
 
 
