@@ -19,39 +19,20 @@ from switchyard.v1 import generation_pb2, generation_pb2_grpc
 from control.fleet.supervisor import free_port
 from switchyard.client import Client, FailedPrecondition, InvalidArgument
 from switchyard.client.errors import NotFound, SwitchyardError
+from switchyard_common.tinyadapter import make_tiny_adapter
 from tests.procs import Proc, serving_control
 
 LORA_ARGS = '{"enable_lora": true, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 3}'
 GREEDY: dict[str, Any] = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
 
 
-def make_adapter(model_dir: Path, out: Path, seed: int, rank: int = 8) -> Path:
-    """A PEFT LoRA adapter for the tiny model with random (not zero) weights, so that it
-    changes what the model says."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=2 * rank,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-        init_lora_weights=False,  # random A and B: a zero B would change nothing
-    )
-    get_peft_model(base, config).save_pretrained(out)
-    assert (out / "adapter_config.json").exists()
-    return out
-
-
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
     return {
-        "a": make_adapter(tiny_model_dir, root / "a", seed=1),
-        "b": make_adapter(tiny_model_dir, root / "b", seed=2),
-        "wide": make_adapter(tiny_model_dir, root / "wide", seed=3, rank=16),
+        "a": make_tiny_adapter(root / "a", seed=1, model_dir=tiny_model_dir),
+        "b": make_tiny_adapter(root / "b", seed=2, model_dir=tiny_model_dir),
+        "wide": make_tiny_adapter(root / "wide", seed=3, rank=16, model_dir=tiny_model_dir),
     }
 
 
