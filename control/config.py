@@ -60,6 +60,8 @@ ENGINE_ARG_KEYS: dict[str, frozenset[str]] = {
             "decode_step_us",
             "decode_us_per_request",
             "time_scale",
+            "max_loras",
+            "max_lora_rank",
         }
     ),
     # The engine's own config.json sets its limits; these may only lower them.
@@ -75,6 +77,8 @@ ENGINE_ARG_KEYS: dict[str, frozenset[str]] = {
             "tokens_per_block",
             "executor_worker",
             "eos_id",
+            "max_loras",
+            "max_lora_rank",
         }
     ),
 }

@@ -52,12 +52,16 @@ bool Dispatcher::add(RequestId id, const std::string& name, std::shared_ptr<Stre
 }
 
 void Dispatcher::remove(RequestId id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = streams_.find(id);
-  if (it == streams_.end()) return;
-  if (!it->second.name.empty()) names_.erase(it->second.name);
-  streams_.erase(it);
-  dropped_.insert(id);  // its final has not come yet
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = streams_.find(id);
+    if (it != streams_.end()) {
+      if (!it->second.name.empty()) names_.erase(it->second.name);
+      streams_.erase(it);
+      dropped_.insert(id);  // its final has not come yet
+    }
+  }
+  if (on_over_) on_over_(id);  // no lock held
 }
 
 std::optional<RequestId> Dispatcher::find(const std::string& name) const {
@@ -114,11 +118,14 @@ void Dispatcher::loop() {
       }
     }
     for (auto& [sink, r] : work) {
+      const RequestId id = r.id;
+      const bool over = r.is_final;
       try {
         sink->on_response(std::move(r));  // no lock held
       } catch (const std::exception&) {
         // A stream that cannot take its response is lost; the others go on.
       }
+      if (over && on_over_) on_over_(id);
     }
   }
 }

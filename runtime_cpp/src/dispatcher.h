@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -45,6 +46,9 @@ class Dispatcher {
   // with reserve() is taken over).
   bool add(RequestId id, const std::string& name, std::shared_ptr<StreamSink> sink);
   void remove(RequestId id);
+  // Called (no lock held) once a request is over for its stream: its final was handed to
+  // the stream, or the stream went away (remove). Set once, before any stream is added.
+  void set_on_over(std::function<void(RequestId)> on_over) { on_over_ = std::move(on_over); }
   // The executor id of an in-flight request by its client name.
   std::optional<RequestId> find(const std::string& name) const;
   std::size_t in_flight() const;
@@ -71,6 +75,7 @@ class Dispatcher {
   // Streams that went away before their final: their later responses are dropped.
   std::unordered_set<RequestId> dropped_;
   std::vector<std::pair<std::shared_ptr<StreamSink>, GenResponse>> redeliver_;
+  std::function<void(RequestId)> on_over_;
   std::atomic<bool> stop_{false};
   std::thread thread_;  // last member: starts after the others exist
 };

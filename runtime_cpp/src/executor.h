@@ -17,6 +17,7 @@ namespace switchyard::rt {
 using TokenId = std::int32_t;
 using RequestId = std::uint64_t;
 using Tokens = std::vector<TokenId>;
+using AdapterId = std::uint64_t;  // a LoRA adapter's task id in the engine
 
 struct SamplingOptions {
   std::optional<float> temperature;
@@ -52,6 +53,7 @@ struct GenRequest {
   std::optional<std::chrono::milliseconds> allotted_time;  // then kTimedOut
   std::int32_t priority = 0;
   std::optional<Guide> guide;
+  std::optional<AdapterId> adapter;  // a LoRA adapter loaded with load_adapter()
 };
 
 enum class FinishReason : std::uint8_t {
@@ -110,6 +112,12 @@ struct EngineInfo {
   std::int32_t max_num_tokens = 0;
   // The OutputConstraint kinds the engine takes (GetInfo capabilities); none by default.
   std::vector<std::string> structured_output;
+  // LoRA: adapters in one batch, their largest rank, and how many it holds at once (0 and
+  // false: no LoRA).
+  bool lora = false;
+  std::int32_t max_loras = 0;
+  std::int32_t max_lora_rank = 0;
+  std::int32_t max_adapters = 0;
 };
 
 // Memory on the GPUs an executor uses, at the time of the call; zeros without GPUs.
@@ -139,6 +147,12 @@ class EngineFault : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The engine has no LoRA (load_adapter on an executor started without it).
+class NoLora : public std::logic_error {
+ public:
+  NoLora() : std::logic_error("this engine was started without LoRA") {}
+};
+
 class Executor {
  public:
   virtual ~Executor() = default;
@@ -157,6 +171,14 @@ class Executor {
   virtual bool can_enqueue() const = 0;
   virtual EngineInfo info() const = 0;
   virtual GpuMemory gpu_memory() const { return {}; }
+  // Reads the LoRA adapter at `path` as task `id` and returns its rank; later requests
+  // name it by `id`. Throws InvalidRequest("path", ...) for one it cannot use, NoLora
+  // where the engine has none.
+  virtual std::int32_t load_adapter(AdapterId /*id*/, const std::string& /*path*/) {
+    throw NoLora();
+  }
+  // Forgets task `id` (no request uses it any more).
+  virtual void unload_adapter(AdapterId /*id*/) {}
   // Stops the engine; pending requests are dropped. Idempotent.
   virtual void shutdown() = 0;
 };

@@ -170,6 +170,8 @@ std::unique_ptr<Executor> make_executor(const Args& a) {
     c.decode_step_us = a.num("sim-decode-step-us", c.decode_step_us);
     c.decode_us_per_request = a.num("sim-decode-us-per-request", c.decode_us_per_request);
     c.time_scale = a.num("sim-time-scale", c.time_scale);
+    c.max_loras = static_cast<int>(a.num("sim-max-loras", c.max_loras));
+    c.max_lora_rank = static_cast<int>(a.num("sim-max-lora-rank", c.max_lora_rank));
     return std::make_unique<switchyard::rt::SimExecutor>(c);
   }
   if (engine == "trtllm") {
@@ -184,6 +186,8 @@ std::unique_ptr<Executor> make_executor(const Args& a) {
     o.enable_block_reuse = a.num("enable-kv-cache-reuse", 1) != 0;
     o.scheduler_policy = a.get("scheduler-policy", o.scheduler_policy);
     o.worker_executable = a.get("executor-worker", SWITCHYARD_TRTLLM_EXECUTOR_WORKER);
+    o.max_loras = static_cast<int>(a.num("max-loras", 0));  // LoRA off unless asked for
+    o.max_lora_rank = static_cast<int>(a.num("max-lora-rank", o.max_lora_rank));
     if (a.kv.count("tokenizer") && a.num("structured-output", 1) != 0) {
       const std::filesystem::path dir = a.get("tokenizer", "");
       if (std::filesystem::exists(dir / "tokenizer.json")) {

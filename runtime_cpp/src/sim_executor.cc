@@ -2,6 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
 
 namespace switchyard::rt {
 namespace {
@@ -90,6 +94,14 @@ RequestId SimExecutor::enqueue(const GenRequest& r) {
   Live live{};
   live.req = r;
   live.prompt_hash = hash_tokens(r.prompt);
+  if (r.adapter) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto salt = adapter_salt_.find(*r.adapter);
+    if (salt == adapter_salt_.end()) {
+      throw InvalidRequest("adapter", "no adapter with task id " + std::to_string(*r.adapter));
+    }
+    live.prompt_hash = mix(live.prompt_hash ^ salt->second);
+  }
   live.blocks = blocks_for(r);
   if (live.blocks > config_.kv_blocks) {
     throw InvalidRequest("max_tokens", "needs " + std::to_string(live.blocks) +
@@ -162,7 +174,45 @@ EngineInfo SimExecutor::info() const {
   i.kv_blocks_total = config_.kv_blocks;
   i.max_input_len = config_.max_context - 1;  // a prompt leaves room for one token
   i.max_batch_size = config_.max_batch;
+  i.lora = config_.max_loras > 0;
+  i.max_loras = std::max(0, config_.max_loras);
+  i.max_lora_rank = i.lora ? config_.max_lora_rank : 0;
+  i.max_adapters = i.max_loras;
   return i;
+}
+
+std::int32_t SimExecutor::load_adapter(AdapterId id, const std::string& path) {
+  if (config_.max_loras <= 0) throw NoLora();
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) {
+    throw InvalidRequest("path", "'" + path + "' is not a directory on this worker");
+  }
+  std::ifstream in(fs::path(path) / "adapter_config.json");
+  if (!in) throw InvalidRequest("path", "'" + path + "' has no adapter_config.json");
+  std::int64_t rank = 0;
+  try {
+    const auto config = nlohmann::json::parse(in);
+    rank = config.at("r").get<std::int64_t>();
+  } catch (const std::exception& e) {
+    throw InvalidRequest("path", "adapter_config.json has no integer rank 'r': " +
+                                     std::string(e.what()));
+  }
+  if (rank < 1 || rank > config_.max_lora_rank) {
+    throw InvalidRequest("path", "adapter rank " + std::to_string(rank) +
+                                     " exceeds the engine's max_lora_rank " +
+                                     std::to_string(config_.max_lora_rank));
+  }
+  std::uint64_t salt = 0xcbf29ce484222325ULL;  // FNV-1a of the path: its own stream
+  for (unsigned char c : fs::weakly_canonical(path, ec).string()) salt = (salt ^ c) * 0x100000001b3ULL;
+  std::lock_guard<std::mutex> lock(mu_);
+  adapter_salt_[id] = mix(salt);
+  return static_cast<std::int32_t>(rank);
+}
+
+void SimExecutor::unload_adapter(AdapterId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  adapter_salt_.erase(id);
 }
 
 void SimExecutor::shutdown() {

@@ -50,6 +50,11 @@ struct SimConfig {
   double time_scale = 1.0;   // real-time mode: sleep modeled cost * time_scale
   bool virtual_clock = false;
   std::int32_t prefix_cache_blocks = 8192;
+  // LoRA, as an engine with it would take it (0 adapters: no LoRA). An adapter is a PEFT
+  // directory (its adapter_config.json's rank `r` is checked); a request naming one
+  // gets a token stream of its own.
+  std::int32_t max_loras = 8;
+  std::int32_t max_lora_rank = 64;
 };
 
 class SimExecutor final : public Executor {
@@ -64,6 +69,8 @@ class SimExecutor final : public Executor {
   bool can_enqueue() const override { return !stopped_.load(); }
   EngineInfo info() const override;
   void shutdown() override;
+  std::int32_t load_adapter(AdapterId id, const std::string& path) override;
+  void unload_adapter(AdapterId id) override;
 
   // Virtual-clock mode only: run one iteration now; returns its modeled cost in
   // microseconds (0 when there was nothing to do). Throws std::logic_error in real time.
@@ -109,6 +116,7 @@ class SimExecutor final : public Executor {
   std::deque<Live> queued_;
   std::vector<Live> active_;
   std::unordered_set<RequestId> cancelled_;
+  std::unordered_map<AdapterId, std::uint64_t> adapter_salt_;  // changes the token stream
   std::int32_t free_blocks_;
   RequestId next_id_ = 1;
   double virtual_us_ = 0;

@@ -36,10 +36,10 @@ class SessionSink final : public StreamSink {
 class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, wv1::StreamResponse>,
                             public std::enable_shared_from_this<StreamSession> {
  public:
-  StreamSession(Executor& executor, Dispatcher& dispatcher, const EngineInfo& info,
-                std::atomic<int>& live, const std::atomic<bool>& draining)
-      : executor_(executor), dispatcher_(dispatcher), info_(info), live_(live),
-        draining_(draining) {}
+  StreamSession(Executor& executor, Dispatcher& dispatcher, AdapterRegistry& adapters,
+                const EngineInfo& info, std::atomic<int>& live, const std::atomic<bool>& draining)
+      : executor_(executor), dispatcher_(dispatcher), adapters_(adapters), info_(info),
+        live_(live), draining_(draining) {}
 
   void begin() {
     self_ = shared_from_this();
@@ -186,17 +186,27 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
     if (!to_gen_request(request, info_, deadline_ms, &gen, &bad)) {
       return refuse(attempt, grpc::StatusCode::INVALID_ARGUMENT, bad);
     }
+    const std::string& adapter = request.adapter();
+    if (!adapter.empty()) {
+      AdapterRefusal why;
+      gen.adapter = adapters_.acquire(adapter, &why);
+      if (!gen.adapter) return refuse(attempt, adapter_code(why), {why.field, why.message});
+    }
     RequestId id = 0;
     try {
       id = executor_.enqueue(gen);  // no lock held
     } catch (const InvalidRequest& e) {
+      if (gen.adapter) adapters_.unacquire(adapter);
       return refuse(attempt, grpc::StatusCode::INVALID_ARGUMENT, {e.field(), e.message()});
     } catch (const EngineFault& e) {
+      if (gen.adapter) adapters_.unacquire(adapter);
       return refuse(attempt, grpc::StatusCode::INTERNAL, {"", std::string("engine: ") + e.what()});
     } catch (const std::exception& e) {
+      if (gen.adapter) adapters_.unacquire(adapter);
       return refuse(attempt, grpc::StatusCode::UNAVAILABLE,
                     {"", std::string("engine: ") + e.what()});
     }
+    if (gen.adapter) adapters_.bind(id, adapter);  // before add(): the final comes after
     bool gone = false;
     {
       // Known before the dispatcher can deliver: its responses wait (parked) until add().
@@ -210,6 +220,7 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
     }
     if (gone) {
       cancel_quietly(id);
+      adapters_.release(id);
       return;
     }
     // No name: on this stream request_id is for logs only and need not be unique, so the
@@ -328,6 +339,7 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
 
   Executor& executor_;
   Dispatcher& dispatcher_;
+  AdapterRegistry& adapters_;
   const EngineInfo& info_;
   std::atomic<int>& live_;
   const std::atomic<bool>& draining_;
@@ -352,9 +364,10 @@ void SessionSink::on_response(GenResponse&& response) {
 }  // namespace
 
 grpc::ServerBidiReactor<wv1::StreamRequest, wv1::StreamResponse>* start_generate_stream(
-    Executor& executor, Dispatcher& dispatcher, const EngineInfo& info,
+    Executor& executor, Dispatcher& dispatcher, AdapterRegistry& adapters, const EngineInfo& info,
     std::atomic<int>& live, const std::atomic<bool>& draining) {
-  auto session = std::make_shared<StreamSession>(executor, dispatcher, info, live, draining);
+  auto session =
+      std::make_shared<StreamSession>(executor, dispatcher, adapters, info, live, draining);
   session->begin();
   return session.get();
 }

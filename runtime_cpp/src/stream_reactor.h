@@ -13,6 +13,7 @@
 #include <atomic>
 #include <memory>
 
+#include "adapters.h"
 #include "dispatcher.h"
 #include "executor.h"
 #include "switchyard/worker/v1/worker.grpc.pb.h"
@@ -24,7 +25,7 @@ namespace wv1 = ::switchyard::worker::v1;
 // Creates the reactor for one GenerateStream call. `live` counts the requests in flight
 // on all sessions (a drain waits for them); `draining` refuses new starts.
 grpc::ServerBidiReactor<wv1::StreamRequest, wv1::StreamResponse>* start_generate_stream(
-    Executor& executor, Dispatcher& dispatcher, const EngineInfo& info,
+    Executor& executor, Dispatcher& dispatcher, AdapterRegistry& adapters, const EngineInfo& info,
     std::atomic<int>& live, const std::atomic<bool>& draining);
 
 }  // namespace switchyard::rt

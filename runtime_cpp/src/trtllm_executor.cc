@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <cstring>
 #include <list>
 
 #include <cuda_runtime_api.h>
 
+#include "npy.h"
 #include "tensorrt_llm/executor/executor.h"
 
 namespace switchyard::rt {
@@ -46,6 +48,12 @@ tle::ExecutorConfig executor_config(const TrtllmOptions& o) {
                                      std::vector<tle::TokenIdType>(e.eos_token_ids.begin(),
                                                                    e.eos_token_ids.end()));
     config.setGuidedDecodingConfig(guided);
+  }
+  if (o.max_loras > 0) {
+    // The PEFT cache holds the adapters' weights on the host and the GPU by task id.
+    config.setPeftCacheConfig(tle::PeftCacheConfig(
+        /*numHostModuleLayer=*/0, /*numDeviceModuleLayer=*/0,
+        /*optimalAdapterSize=*/std::min(8, o.max_lora_rank), /*maxAdapterSize=*/o.max_lora_rank));
   }
   if (e.config.world_size > 1) {
     // Orchestrator mode: this process enqueues and awaits; TensorRT-LLM spawns one worker
@@ -123,7 +131,55 @@ std::int32_t cuda_device_count() {
   return n;
 }
 
-TrtllmExecutor::TrtllmExecutor(TrtllmOptions options) : options_(std::move(options)) {
+// Each adapter's weights go to the executor once, with the first request that names its
+// task id; later requests name the id only, and the executor's PEFT cache has the weights.
+struct TrtllmExecutor::LoraStore {
+  struct Lora {
+    tle::Tensor weights;
+    tle::Tensor config;
+    bool sent = false;
+  };
+  std::mutex mu;
+  std::unordered_map<AdapterId, Lora> loras;
+
+  tle::LoraConfig config_for(AdapterId id) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = loras.find(id);
+    if (it == loras.end()) throw InvalidRequest("adapter", "no adapter with task id " + std::to_string(id));
+    if (it->second.sent) return tle::LoraConfig(id);
+    it->second.sent = true;
+    return tle::LoraConfig(id, it->second.weights, it->second.config);
+  }
+};
+
+namespace {
+tle::Tensor host_tensor(const NpyArray& a, tle::DataType type) {
+  tle::Tensor t = tle::Tensor::cpu(type, tle::Shape{a.shape[0], a.shape[1]});
+  std::memcpy(t.getData(), a.data.data(), a.data.size());
+  return t;
+}
+}  // namespace
+
+std::int32_t TrtllmExecutor::load_adapter(AdapterId id, const std::string& path) {
+  if (options_.max_loras <= 0) throw NoLora();
+  LoraFiles files = read_lora_dir(path, options_.max_lora_rank);  // throws InvalidRequest
+  LoraStore::Lora lora{
+      host_tensor(files.weights,
+                  files.weights.dtype == "<f2" ? tle::DataType::kFP16 : tle::DataType::kFP32),
+      host_tensor(files.config, tle::DataType::kINT32), false};
+  std::lock_guard<std::mutex> lock(loras_->mu);
+  loras_->loras.insert_or_assign(id, std::move(lora));
+  return files.rank;
+}
+
+void TrtllmExecutor::unload_adapter(AdapterId id) {
+  // The executor has no call to drop a task from its PEFT cache; it ages out of it.
+  std::lock_guard<std::mutex> lock(loras_->mu);
+  loras_->loras.erase(id);
+}
+
+TrtllmExecutor::TrtllmExecutor(TrtllmOptions options)
+    : options_(std::move(options)), loras_(std::make_unique<LoraStore>()) {
   if (options_.engine_dir.empty()) {
     throw InvalidRequest("model", "the TensorRT-LLM engine directory is required");
   }
@@ -152,6 +208,7 @@ RequestId TrtllmExecutor::enqueue(const GenRequest& r) {
   if (!r.bad_words.empty()) request.setBadWords(word_list(r.bad_words));
   if (r.allotted_time) request.setAllottedTimeMs(*r.allotted_time);
   if (r.guide) request.setGuidedDecodingParams(guided_decoding(*r.guide));
+  if (r.adapter) request.setLoraConfig(loras_->config_for(*r.adapter));
   // Switchyard priorities are integers (higher first); TensorRT-LLM takes [0, 1].
   const float p = 0.5f + 0.05f * static_cast<float>(std::clamp(r.priority, -10, 10));
   request.setPriority(p);
@@ -274,6 +331,10 @@ EngineInfo TrtllmExecutor::info() const {
     // TensorRT-LLM's guides: JSON, JSON schema, regex, EBNF; a choice goes as a regex.
     i.structured_output = {"choice", "grammar", "json_object", "json_schema", "regex"};
   }
+  i.lora = options_.max_loras > 0;
+  i.max_loras = std::max(0, options_.max_loras);
+  i.max_lora_rank = i.lora ? options_.max_lora_rank : 0;
+  i.max_adapters = 0;  // the PEFT cache evicts the least recently used
   return i;
 }
 

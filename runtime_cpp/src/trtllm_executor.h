@@ -36,6 +36,9 @@ struct TrtllmOptions {
   // Structured output (GuidedDecodingConfig, xgrammar): the tokenizer's vocabulary, from
   // --tokenizer; without it the worker declares no structured output and refuses a constraint.
   std::optional<GuideVocabulary> guide_vocabulary;
+  // LoRA (PeftCacheConfig): adapters in one batch and their largest rank; 0: no LoRA.
+  std::int32_t max_loras = 0;
+  std::int32_t max_lora_rank = 64;
 };
 
 // TensorRT-LLM's version as the library reports it ("1.0.0").
@@ -56,8 +59,11 @@ class TrtllmExecutor final : public Executor {
   EngineInfo info() const override;
   GpuMemory gpu_memory() const override;
   void shutdown() override;
+  std::int32_t load_adapter(AdapterId id, const std::string& path) override;
+  void unload_adapter(AdapterId id) override;
 
  private:
+  struct LoraStore;  // the adapters' weights, sent with the first request that uses each
   const TrtllmOptions options_;
   std::unique_ptr<tensorrt_llm::executor::Executor> executor_;
   std::mutex stats_mu_;
@@ -65,6 +71,7 @@ class TrtllmExecutor final : public Executor {
   std::mutex prompt_mu_;
   std::unordered_map<RequestId, std::int32_t> prompt_tokens_;  // until the final
   std::atomic<bool> shut_down_{false};
+  std::unique_ptr<LoraStore> loras_;
 };
 
 }  // namespace switchyard::rt

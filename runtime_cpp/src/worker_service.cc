@@ -1,5 +1,7 @@
 #include "worker_service.h"
 
+#include <functional>
+
 #include <grpcpp/alarm.h>
 
 #include <chrono>
@@ -26,8 +28,9 @@ double ms_since(Clock::time_point t) {
 class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateResponse>,
                               public StreamSink {
  public:
-  GenerateReactor(Executor& executor, Dispatcher& dispatcher, std::atomic<int>& live)
-      : executor_(executor), dispatcher_(dispatcher), live_(live) {
+  GenerateReactor(Executor& executor, Dispatcher& dispatcher, AdapterRegistry& adapters,
+                  std::atomic<int>& live)
+      : executor_(executor), dispatcher_(dispatcher), adapters_(adapters), live_(live) {
     live_.fetch_add(1);
   }
 
@@ -58,23 +61,40 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
                               "request_id " + name_ + " is already in flight"));
       return;
     }
+    const std::string& adapter = req.adapter();
+    if (!adapter.empty()) {
+      AdapterRefusal why;
+      gen.adapter = adapters_.acquire(adapter, &why);
+      if (!gen.adapter) {
+        dispatcher_.release(name_);
+        finish_now(field_status(adapter_code(why), why.field, why.message));
+        return;
+      }
+    }
     try {
       id_ = executor_.enqueue(gen);  // no lock held
     } catch (const InvalidRequest& e) {
-      dispatcher_.release(name_);
-      finish_now(invalid_argument(e.field(), e.message()));
+      failed_enqueue(gen, adapter, invalid_argument(e.field(), e.message()));
       return;
     } catch (const EngineFault& e) {
-      dispatcher_.release(name_);
-      finish_now(grpc::Status(grpc::StatusCode::INTERNAL, std::string("engine: ") + e.what()));
+      failed_enqueue(gen, adapter,
+                     grpc::Status(grpc::StatusCode::INTERNAL, std::string("engine: ") + e.what()));
       return;
     } catch (const std::exception& e) {
-      dispatcher_.release(name_);
-      finish_now(grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string("engine: ") + e.what()));
+      failed_enqueue(gen, adapter, grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                                std::string("engine: ") + e.what()));
       return;
     }
+    if (gen.adapter) adapters_.bind(id_, adapter);  // before add(): the final comes after
     dispatcher_.add(id_, name_, self_);  // cannot fail: the name is ours
     enqueued_.store(true);
+  }
+
+  void failed_enqueue(const GenRequest& gen, const std::string& adapter,
+                      const grpc::Status& status) {
+    dispatcher_.release(name_);
+    if (gen.adapter) adapters_.unacquire(adapter);
+    finish_now(status);
   }
 
   void refuse(std::shared_ptr<GenerateReactor> self, const grpc::Status& status) {
@@ -177,6 +197,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
 
   Executor& executor_;
   Dispatcher& dispatcher_;
+  AdapterRegistry& adapters_;
   std::atomic<int>& live_;
   std::shared_ptr<GenerateReactor> self_;  // held until OnDone
   const Clock::time_point started_ = Clock::now();
@@ -267,26 +288,33 @@ class LoadReactor final : public grpc::ServerWriteReactor<wv1::LoadReport>, publ
 
 }  // namespace
 
-grpc::Status invalid_argument(const std::string& field, const std::string& message) {
+grpc::Status field_status(grpc::StatusCode code, const std::string& field,
+                          const std::string& message) {
   google::rpc::BadRequest bad;
   auto* v = bad.add_field_violations();
   v->set_field(field);
   v->set_description(message);
   google::rpc::Status status;
-  status.set_code(static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  status.set_code(static_cast<int>(code));
   status.set_message(field + ": " + message);
   status.add_details()->PackFrom(bad);
-  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, status.message(),
-                      status.SerializeAsString());
+  return grpc::Status(code, status.message(), status.SerializeAsString());
+}
+
+grpc::Status invalid_argument(const std::string& field, const std::string& message) {
+  return field_status(grpc::StatusCode::INVALID_ARGUMENT, field, message);
 }
 
 WorkerService::WorkerService(Executor& executor, Dispatcher& dispatcher)
-    : executor_(executor), dispatcher_(dispatcher), info_(executor.info()),
-      ticker_([this] { ticker(); }) {}
+    : executor_(executor), dispatcher_(dispatcher), info_(executor.info()), adapters_(executor),
+      ticker_([this] { ticker(); }) {
+  dispatcher_.set_on_over([this](RequestId id) { adapters_.release(id); });
+}
 
 grpc::ServerWriteReactor<wv1::GenerateResponse>* WorkerService::Generate(
     grpc::CallbackServerContext* context, const wv1::GenerateRequest* request) {
-  auto reactor = std::make_shared<GenerateReactor>(executor_, dispatcher_, live_streams_);
+  auto reactor =
+      std::make_shared<GenerateReactor>(executor_, dispatcher_, adapters_, live_streams_);
   GenerateReactor* raw = reactor.get();
   if (draining_.load()) {
     raw->refuse(std::move(reactor),
@@ -299,7 +327,8 @@ grpc::ServerWriteReactor<wv1::GenerateResponse>* WorkerService::Generate(
 
 grpc::ServerBidiReactor<wv1::StreamRequest, wv1::StreamResponse>* WorkerService::GenerateStream(
     grpc::CallbackServerContext*) {
-  return start_generate_stream(executor_, dispatcher_, info_, live_streams_, draining_);
+  return start_generate_stream(executor_, dispatcher_, adapters_, info_, live_streams_,
+                               draining_);
 }
 
 grpc::ServerUnaryReactor* WorkerService::Abort(grpc::CallbackServerContext* context,
@@ -320,6 +349,8 @@ grpc::ServerUnaryReactor* WorkerService::Abort(grpc::CallbackServerContext* cont
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
+
+void fill_adapter(const AdapterInfo& a, wv1::AdapterInfo* out);
 
 grpc::ServerUnaryReactor* WorkerService::GetInfo(grpc::CallbackServerContext* context,
                                                  const wv1::GetInfoRequest*,
@@ -347,6 +378,10 @@ grpc::ServerUnaryReactor* WorkerService::GetInfo(grpc::CallbackServerContext* co
   caps->set_max_logprobs(0);
   caps->set_max_n(1);
   for (const auto& kind : info_.structured_output) caps->add_structured_output(kind);
+  caps->set_lora(info_.lora);
+  caps->set_max_loras(static_cast<std::uint32_t>(info_.max_loras));
+  caps->set_max_lora_rank(static_cast<std::uint32_t>(info_.max_lora_rank));
+  for (const auto& a : adapters_.list()) fill_adapter(a, response->add_adapters());
   // Known only once the engine has run where the engine sizes its cache at start-up.
   std::int32_t blocks = info_.kv_blocks_total;
   try {
@@ -363,6 +398,54 @@ grpc::ServerUnaryReactor* WorkerService::GetInfo(grpc::CallbackServerContext* co
   auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
+}
+
+void fill_adapter(const AdapterInfo& a, wv1::AdapterInfo* out) {
+  out->set_name(a.name);
+  out->set_path(a.path);
+  out->set_rank(static_cast<std::uint32_t>(a.rank));
+  out->set_in_flight(static_cast<std::uint32_t>(a.in_flight));
+}
+
+grpc::ServerUnaryReactor* WorkerService::LoadAdapter(grpc::CallbackServerContext* context,
+                                                     const wv1::LoadAdapterRequest* request,
+                                                     wv1::LoadAdapterResponse* response) {
+  // Reading the adapter takes a while; off the gRPC thread, like UnloadAdapter's wait.
+  auto* reactor = context->DefaultReactor();
+  run_off_thread([this, request, response, reactor] {
+    AdapterRefusal why;
+    auto loaded = adapters_.load(request->name(), request->path(), &why);
+    if (!loaded) {
+      reactor->Finish(field_status(adapter_code(why), why.field, why.message));
+      return;
+    }
+    fill_adapter(*loaded, response->mutable_adapter());
+    reactor->Finish(grpc::Status::OK);
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* WorkerService::UnloadAdapter(grpc::CallbackServerContext* context,
+                                                       const wv1::UnloadAdapterRequest* request,
+                                                       wv1::UnloadAdapterResponse* response) {
+  auto* reactor = context->DefaultReactor();
+  run_off_thread([this, request, response, reactor] {
+    auto done = adapters_.unload(request->name(), std::chrono::milliseconds(request->grace_ms()));
+    if (!done) {
+      reactor->Finish(field_status(grpc::StatusCode::NOT_FOUND, "name",
+                                   "adapter " + request->name() + " is not loaded"));
+      return;
+    }
+    response->set_waited_requests(done->first);
+    response->set_cancelled_requests(done->second);
+    reactor->Finish(grpc::Status::OK);
+  });
+  return reactor;
+}
+
+void WorkerService::run_off_thread(std::function<void()> work) {
+  std::lock_guard<std::mutex> lock(admin_mu_);
+  admin_threads_.emplace_back(std::move(work));
 }
 
 grpc::ServerWriteReactor<wv1::LoadReport>* WorkerService::StreamLoad(
@@ -402,6 +485,10 @@ void WorkerService::ticker() {
 WorkerService::~WorkerService() {
   stop_ticker_.store(true);
   if (ticker_.joinable()) ticker_.join();
+  std::lock_guard<std::mutex> lock(admin_mu_);
+  for (auto& t : admin_threads_) {
+    if (t.joinable()) t.join();
+  }
 }
 
 void WorkerService::fill_load(wv1::LoadReport* report) {

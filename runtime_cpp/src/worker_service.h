@@ -8,11 +8,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
 
+#include "adapters.h"
 #include "dispatcher.h"
 #include "executor.h"
 #include "switchyard/worker/v1/worker.grpc.pb.h"
@@ -45,6 +47,12 @@ class WorkerService final : public ::switchyard::worker::v1::Worker::CallbackSer
                                     wv1::GetInfoResponse* response) override;
   grpc::ServerWriteReactor<wv1::LoadReport>* StreamLoad(
       grpc::CallbackServerContext* context, const wv1::StreamLoadRequest* request) override;
+  grpc::ServerUnaryReactor* LoadAdapter(grpc::CallbackServerContext* context,
+                                        const wv1::LoadAdapterRequest* request,
+                                        wv1::LoadAdapterResponse* response) override;
+  grpc::ServerUnaryReactor* UnloadAdapter(grpc::CallbackServerContext* context,
+                                          const wv1::UnloadAdapterRequest* request,
+                                          wv1::UnloadAdapterResponse* response) override;
 
   // Fills a load report from the executor's latest iteration and the streams in flight.
   void fill_load(wv1::LoadReport* report);
@@ -59,6 +67,12 @@ class WorkerService final : public ::switchyard::worker::v1::Worker::CallbackSer
   Executor& executor_;
   Dispatcher& dispatcher_;
   const EngineInfo info_;
+  AdapterRegistry adapters_;
+  // LoadAdapter and UnloadAdapter block (reading weights, waiting for requests): each runs
+  // on a thread of its own, joined when the service goes.
+  void run_off_thread(std::function<void()> work);
+  std::mutex admin_mu_;
+  std::vector<std::thread> admin_threads_;
   std::atomic<bool> draining_{false};
   std::atomic<int> live_streams_{0};
   void ticker();
@@ -73,6 +87,8 @@ class WorkerService final : public ::switchyard::worker::v1::Worker::CallbackSer
 };
 
 // A google.rpc.Status with one BadRequest field violation, as gRPC error details.
+grpc::Status field_status(grpc::StatusCode code, const std::string& field,
+                          const std::string& message);
 grpc::Status invalid_argument(const std::string& field, const std::string& message);
 
 }  // namespace switchyard::rt

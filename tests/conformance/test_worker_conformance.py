@@ -224,7 +224,9 @@ def test_get_info(stub: Any, engine: str) -> None:
     caps = info.capabilities
     assert info.HasField("capabilities") and caps.max_n == 1
     assert caps.max_logprobs == (20 if engine == "vllm" else 0)
-    assert not caps.lora and not caps.beam_search
+    assert not caps.beam_search
+    # LoRA: the simulator has it by default; the session's vLLM worker was started without.
+    assert caps.lora == (engine == "sim")
     # vLLM's structured outputs take every kind; the simulator takes none.
     kinds = ["choice", "grammar", "json_object", "json_schema", "regex"]
     assert list(caps.structured_output) == (kinds if engine == "vllm" else [])
@@ -282,6 +284,42 @@ def test_prompt_logprobs_where_declared_and_refused_elsewhere(stub: Any, engine:
     assert all(lp.logprob <= 0 and 1 <= len(lp.top) <= 2 for lp in first.prompt_logprobs)
     assert not any(c.prompt_logprobs for c in rest)
     assert final.usage.completion_tokens == 4
+
+
+def test_adapters_where_declared_and_refused_elsewhere(
+    stub: Any, engine: str, tmp_path: Path
+) -> None:
+    """A worker that declares LoRA loads a (PEFT-shaped) adapter, lists it, serves a
+    request naming it differently from the base model, and after UnloadAdapter refuses
+    the name (NOT_FOUND on `adapter`); one that does not refuses both calls with
+    FAILED_PRECONDITION."""
+    from switchyard_common.rpc_status import read_details
+
+    caps = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5).capabilities
+    (tmp_path / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
+    load = worker_pb2.LoadAdapterRequest(name=f"conf-{engine}", path=str(tmp_path))
+    named = request(max_tokens=8, request_id=f"lora-{engine}", adapter=f"conf-{engine}")
+    if not caps.lora:
+        for call in (lambda: stub.LoadAdapter(load, timeout=30),
+                     lambda: list(stub.Generate(named, timeout=30))):  # fmt: skip
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        return
+    assert stub.LoadAdapter(load, timeout=30).adapter.rank == 4
+    held = {a.name for a in stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5).adapters}
+    assert f"conf-{engine}" in held
+    base = [t for c in generate(stub, request(max_tokens=8))[0] for t in c.token_ids]
+    chunks, final = generate(stub, named)
+    assert [t for c in chunks for t in c.token_ids] != base and final.usage.completion_tokens == 8
+    unloaded = stub.UnloadAdapter(
+        worker_pb2.UnloadAdapterRequest(name=f"conf-{engine}", grace_ms=5000), timeout=30
+    )
+    assert unloaded.cancelled_requests == 0
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(named, timeout=30))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert [v.field for v in read_details(e.value.trailing_metadata()).violations] == ["adapter"]
 
 
 def test_logprobs_beyond_the_declared_limit_are_refused(stub: Any, engine: str) -> None:

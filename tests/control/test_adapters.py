@@ -40,9 +40,12 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def plane(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     models = (
         f"  - {{name: tiny, engine: vllm, model: {tiny_model_dir}, engine_args: {LORA_ARGS}}}\n"
-        "  - {name: sim, engine: sim, model: builtin:tiny}\n"
+        "  - {name: sim, engine: sim, model: builtin:tiny, engine_args: {max_loras: 0}}\n"
+        "  - {name: sim-lora, engine: sim, model: builtin:tiny,"
+        " engine_args: {max_lora_rank: 8, decode_step_us: 5000}}\n"
     )
-    with serving_control(tmp_path_factory.mktemp("lora"), free_port(), models, "tiny", "sim") as p:
+    log_dir = tmp_path_factory.mktemp("lora")
+    with serving_control(log_dir, free_port(), models, "tiny", "sim", "sim-lora") as p:
         yield p
 
 
@@ -60,6 +63,7 @@ def test_capabilities_declare_lora(plane: Proc) -> None:
     caps = {m.name: m.capabilities for m in listed.models}
     assert caps["tiny"].lora and caps["tiny"].max_loras == 2 and caps["tiny"].max_lora_rank == 8
     assert not caps["sim"].lora
+    assert caps["sim-lora"].lora and caps["sim-lora"].max_lora_rank == 8
 
 
 def test_adapters_change_greedy_output_the_same_way_every_time(
@@ -148,3 +152,45 @@ def test_unloading_an_adapter_in_use_waits_for_its_requests(
         with pytest.raises(NotFound):
             greedy(client, "slow")
         assert "slow" not in {a.name for a in client.adapters("tiny")}
+
+
+def test_the_cpp_worker_takes_adapters_the_same_way(plane: Proc, adapters: dict[str, Path]) -> None:
+    """The C++ worker on its simulator: the adapter (a PEFT directory; its rank checked)
+    gives a token stream of its own, the same every time; the same refusals; an unload
+    waits for the adapter's requests."""
+    options: dict[str, Any] = {"max_tokens": 16, "ignore_eos": True, "temperature": 0.0}
+    with Client(plane.address, timeout=120) as client:
+        base = client.complete("sim-lora", "The", **options).token_ids
+        with pytest.raises(NotFound):
+            client.complete("sim-lora", "The", adapter="a", **options)
+        assert client.load_adapter("sim-lora", "a", str(adapters["a"])).adapter.rank == 8
+        done = client.complete("sim-lora", "The", adapter="a", **options)
+        assert done.token_ids != base and done.final.adapter == "a"
+        assert (
+            client.complete("sim-lora", "The", adapter="a", **options).token_ids == done.token_ids
+        )
+        streamed = list(client.generate("sim-lora", "The", adapter="a", **options))
+        assert tuple(t for c in streamed for t in c.token_ids) == done.token_ids
+        with pytest.raises(InvalidArgument) as wide:
+            client.load_adapter("sim-lora", "wide", str(adapters["wide"]))
+        assert wide.value.violations[0].field == "path"
+        assert "max_lora_rank 8" in wide.value.violations[0].description
+
+        finals: list[Any] = []
+        started = threading.Event()
+
+        def stream() -> None:  # 300 tokens at 5 ms a step: 1.5 s
+            call = client.generate("sim-lora", "The", adapter="a", max_tokens=300, ignore_eos=True)
+            for _ in call:
+                started.set()
+            finals.append(call.final)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(60), "the stream never started"
+        unloaded = client.unload_adapter("sim-lora", "a", grace_s=60)
+        reader.join(60)
+        assert finals and finals[0].finish_reason == "length" and finals[0].adapter == "a"
+        assert unloaded.drained_requests == 1 and unloaded.cancelled_requests == 0
+        with pytest.raises(NotFound):
+            client.complete("sim-lora", "The", adapter="a", **options)
