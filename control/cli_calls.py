@@ -57,6 +57,7 @@ def add_commands(sub: Any) -> None:
     so.add_argument("--regex", help="a regular expression the whole output matches")
     so.add_argument("--choice", action="append", help="one of these strings (repeat it)")
     so.add_argument("--grammar", metavar="FILE", help="an EBNF or Lark grammar file")
+    gen.add_argument("--adapter", default="", help="a LoRA adapter loaded on the model")
 
     sub.add_parser("generate", parents=[gen, conn], help="stream a generation to the terminal")
     sub.add_parser("complete", parents=[gen, conn], help="print a whole generation at once")
@@ -86,6 +87,20 @@ def add_commands(sub: Any) -> None:
     d = sub.add_parser("drain", parents=[conn], help="drain one worker (no new requests)")
     d.add_argument("address_", metavar="worker")
     d.add_argument("--grace", type=float, default=None)
+    a = sub.add_parser("adapters", parents=[conn], help="list the LoRA adapters of the models")
+    a.add_argument("--model", default="")
+    al = sub.add_parser(
+        "adapter-load", parents=[conn], help="load a LoRA adapter on every worker of a model"
+    )
+    al.add_argument("model_")
+    al.add_argument("name")
+    al.add_argument("path", help="the adapter's directory, as the workers see it")
+    au = sub.add_parser(
+        "adapter-unload", parents=[conn], help="unload a LoRA adapter once its requests end"
+    )
+    au.add_argument("model_")
+    au.add_argument("name")
+    au.add_argument("--grace", type=float, default=None, help="seconds to let requests finish")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
         tls = True
     try:
         with Client(args.address, token=args.token, tls=tls, timeout=args.timeout) as client:
-            handler: Callable[[Client, argparse.Namespace], int] = globals()[f"_{args.command}"]
+            name = f"_{args.command.replace('-', '_')}"
+            handler: Callable[[Client, argparse.Namespace], int] = globals()[name]
             return handler(client, args)
     except SwitchyardError as e:
         print(f"\nswitchyard: {e}", file=sys.stderr)
@@ -116,6 +132,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             opts[name] = getattr(args, name)
     if args.json_object:
         opts["json_object"] = True
+    if args.adapter:
+        opts["adapter"] = args.adapter
     for name in ("json_schema", "grammar"):  # files
         if getattr(args, name) is not None:
             opts[name] = Path(getattr(args, name)).read_text()
@@ -221,6 +239,36 @@ def _drain(client: Client, args: argparse.Namespace) -> int:
         f"draining {args.address_}", lambda: client.drain(args.address_, grace_s=args.grace)
     )
     print(f"{out.worker.address}: drained ({out.in_flight_left} requests left in flight)")
+    return 0
+
+
+def _adapters(client: Client, args: argparse.Namespace) -> int:
+    for a in client.adapters(args.model):
+        print(f"{a.model}/{a.name}: rank {a.rank}, {a.path}, on {', '.join(a.workers) or 'none'}")
+    return 0
+
+
+def _adapter_load(client: Client, args: argparse.Namespace) -> int:
+    out = _with_progress(
+        f"loading adapter {args.name}",
+        lambda: client.load_adapter(args.model_, args.name, args.path),
+    )
+    a = out.adapter
+    print(
+        f"{a.model}/{a.name}: rank {a.rank} on {len(a.workers)} workers ({out.load_seconds:.1f} s)"
+    )
+    return 0
+
+
+def _adapter_unload(client: Client, args: argparse.Namespace) -> int:
+    out = _with_progress(
+        f"unloading adapter {args.name}",
+        lambda: client.unload_adapter(args.model_, args.name, grace_s=args.grace),
+    )
+    print(
+        f"{args.model_}/{args.name}: unloaded ({out.drained_requests} requests drained, "
+        f"{out.cancelled_requests} cancelled)"
+    )
     return 0
 
 

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,24 @@ def test_admin_commands_show_progress(plane: Proc) -> None:
     assert out.returncode == 0 and "extra: unloaded" in out.stdout, out.stderr
     out = cli(plane, "load", "bad", "--engine", "sim", "--model-path", "x", "--engine-args", "[")
     assert out.returncode == 2 and "--engine-args" in out.stderr
+
+
+def test_adapter_commands(plane: Proc, tmp_path: Path) -> None:
+    """LoRA adapters from the CLI, on the simulator (which has LoRA and checks the rank
+    of a PEFT adapter directory)."""
+    (tmp_path / "adapter_config.json").write_text('{"r": 8}')
+    out = cli(plane, "adapter-load", "sim", "tenant-a", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "loading adapter tenant-a ... done in" in out.stderr
+    assert "sim/tenant-a: rank 8 on 2 workers" in out.stdout
+    out = cli(plane, "adapters", "--model", "sim")
+    assert out.returncode == 0 and f"sim/tenant-a: rank 8, {tmp_path}, on " in out.stdout
+    args = ["--model", "sim", "--max-tokens", "12", "--ignore-eos", "Hi"]
+    base = cli(plane, "complete", *args)
+    tuned = cli(plane, "complete", "--adapter", "tenant-a", *args)
+    assert base.returncode == 0 and tuned.returncode == 0, tuned.stderr
+    assert tuned.stdout != base.stdout
+    out = cli(plane, "adapter-unload", "sim", "tenant-a", "--grace", "5")
+    assert out.returncode == 0 and "sim/tenant-a: unloaded" in out.stdout, out.stderr
+    out = cli(plane, "complete", "--adapter", "tenant-a", *args)
+    assert out.returncode == 1 and "NOT_FOUND" in out.stderr and "tenant-a" in out.stderr
