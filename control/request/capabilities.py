@@ -57,7 +57,9 @@ async def check_adapter(entry: ModelEntry, params: GenerationParams) -> None:
     """NOT_FOUND for an adapter no worker of the model holds. A router process asks the
     supervisor once before it says so: the adapter may have been loaded since it looked."""
     name = params.adapter
-    if not name or name in entry.adapter_names():
+    # The supervisor knows what its models should hold: an adapter being given back to a
+    # restarted worker is there (routing answers UNAVAILABLE until a worker holds it).
+    if not name or name in entry.adapters or name in entry.adapter_names():
         return
     if entry.refresh is not None:
         await entry.refresh()
