@@ -100,13 +100,18 @@ def measure(
     work: Workload,
     args: argparse.Namespace,
     groups: dict[str, list[int]],
+    workers: list[str] | None = None,
 ) -> dict[str, Any]:
     before = {name: systems.cpu_seconds(pids) for name, pids in groups.items()}
     started = time.monotonic()
     processes = args.clients or processes_for(args.rate, args.streams)
     probing = args.probe and target == "switchyard"
     probe = Probe(address, model, start_delay_s(processes) + 0.5)
-    with probe if probing else contextlib.nullcontext(probe):
+    split: dict[str, Any] = {}
+    with (
+        probe if probing else contextlib.nullcontext(probe),
+        systems.engine_batches(workers or [], split),
+    ):
         run = spread_load(
             target,
             address,
@@ -132,6 +137,10 @@ def measure(
         "cores_busy": {k: round(v / wall, 2) for k, v in cpu.items()},
         "client_processes": run["client_processes"],
         "client_busy": run["client_busy"],
+        # Each worker's running requests over the run: how evenly the fronts split them.
+        "workers_running_mean": [
+            v.get("running_mean", 0) for v in split.get("engine", {}).values()
+        ],
     }
 
 
@@ -169,11 +178,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runs: list[tuple[int, int, Path | None]] = [
             (r, n, None) for r in args.routers for n in args.listeners
         ]
-        if args.before:
-            runs.append((1, 0, args.before))
+        if args.before:  # the other checkout, with the same router counts
+            runs += [(r, 0, args.before) for r in args.routers]
         for routers, listeners, cwd in runs:
             name = f"control-x{routers}-l{listeners}" + ("-before" if cwd else "")
             label = f"control plane, {routers} process{'es' if routers > 1 else ''}"
+            if cwd:
+                label += ", before"
             if listeners:
                 label += f", {listeners} listener{'s' if listeners > 1 else ''}"
             with systems.control_plane(model_yaml, log_dir, name, routers, cwd, listeners) as (
@@ -190,6 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         work,
                         args,
                         {"control plane": pids, "workers": sim_pids},
+                        sims if args.workers > 1 else None,
                     )
                 )
     if args.vllm_streams:
@@ -264,6 +276,9 @@ def print_table(data: dict[str, Any]) -> None:
         )
         if r["errors"]:
             print(f"  errors: {r['errors']}: {r['first_errors']}")
+        if r.get("workers_running_mean"):
+            split = " / ".join(f"{x:g}" for x in r["workers_running_mean"])
+            print(f"  each worker's running requests, mean over the run: {split}")
         if r.get("probe_ttft_ms"):
             p = r["probe_ttft_ms"]
             print(

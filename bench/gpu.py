@@ -230,7 +230,7 @@ def _asyncllm_main(
         watcher.cancel()
         tokens = sum(t for _, t in got)
         return {
-            "engine": {"in-process": batch_summary(seen)},
+            "engine": {"in-process": systems.batch_summary(seen)},
             "system": "asyncllm",
             "requests": requests * waves,
             "concurrency": requests,
@@ -252,22 +252,6 @@ def _asyncllm_main(
 
     asyncio.run(main())
     llm.shutdown()
-
-
-def batch_summary(samples: list[tuple[int, int, float]]) -> dict[str, Any]:
-    """Running and waiting over the samples where the engine had any work."""
-    busy = [s for s in samples if s[0] or s[1]]
-    if not busy:
-        return {"samples": len(samples)}
-    running = sorted(s[0] for s in busy)
-    return {
-        "samples": len(busy),
-        "running_mean": round(sum(running) / len(running), 1),
-        "running_p50": running[len(running) // 2],
-        "running_max": running[-1],
-        "waiting_mean": round(sum(s[1] for s in busy) / len(busy), 1),
-        "tokens_per_s_mean": round(sum(s[2] for s in busy) / len(busy)),
-    }
 
 
 def served_model(name: str, model: Path, settings: dict[str, Any]) -> str:

@@ -39,7 +39,6 @@ from bench.gpu import (
     SETTINGS,
     SMOKE_ENV,
     asyncllm_argv,
-    batch_summary,
     list_workers,
     run_load,
     served_model,
@@ -174,41 +173,6 @@ def profiled(
                     p.kill()
 
 
-@contextlib.contextmanager
-def engine_batches(addresses: list[str], into: dict[str, Any]) -> Iterator[None]:
-    """Each worker's own count of running and waiting requests (its StreamLoad, every
-    250 ms) while the block runs, summed up into `into["engine"]`: how full each engine's
-    batch was, so that two systems on one engine compare their engine's steps, and a
-    router split across two workers shows how even it was."""
-    import grpc
-    from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
-
-    stop = threading.Event()
-    seen: dict[str, list[tuple[int, int, float]]] = {a: [] for a in addresses}
-
-    def watch(address: str) -> None:
-        with grpc.insecure_channel(address) as channel:
-            stub = worker_pb2_grpc.WorkerStub(channel)
-            call = stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=250))
-            threading.Thread(target=lambda: (stop.wait(), call.cancel()), daemon=True).start()
-            with contextlib.suppress(grpc.RpcError):
-                for r in call:
-                    seen[address].append(
-                        (int(r.running), int(r.waiting), float(r.generation_tokens_per_s))
-                    )
-
-    threads = [threading.Thread(target=watch, args=(a,), daemon=True) for a in addresses]
-    for t in threads:
-        t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(5)
-        into["engine"] = {a: batch_summary(v) for a, v in seen.items()}
-
-
 def _run(
     result: dict[str, Any],
     label: str,
@@ -224,7 +188,7 @@ def _run(
     steal = _steal()
     started = time.monotonic()
     batches: dict[str, Any] = {}
-    with engine_batches(engines or [], batches):
+    with systems.engine_batches(engines or [], batches):
         run = run_load(target, address, "m", requests, seed=1, processes=CLIENTS, waves=WAVES)
     wall = time.monotonic() - started
     run.update(batches)
@@ -453,7 +417,7 @@ def two_workers(
                 )
 
             threads = [threading.Thread(target=one, args=(w,)) for w in workers]
-            with engine_batches(workers, batches):
+            with systems.engine_batches(workers, batches):
                 for t in threads:
                     t.start()
                 for t in threads:

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -324,3 +325,54 @@ def sim_worker_procs(n: int, log_dir: Path, step_us: int = 200) -> Iterator[list
     finally:
         for p in procs:
             p.stop()
+
+
+@contextlib.contextmanager
+def engine_batches(addresses: list[str], into: dict[str, Any]) -> Iterator[None]:
+    """Each worker's own count of running and waiting requests (its StreamLoad, every
+    250 ms) while the block runs, summed up into `into["engine"]`: how full each engine's
+    batch was, so that two systems on one engine compare their engine's steps, and a
+    router split across two workers shows how even it was."""
+    import grpc
+    from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
+
+    stop = threading.Event()
+    seen: dict[str, list[tuple[int, int, float]]] = {a: [] for a in addresses}
+
+    def watch(address: str) -> None:
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            call = stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=250))
+            threading.Thread(target=lambda: (stop.wait(), call.cancel()), daemon=True).start()
+            with contextlib.suppress(grpc.RpcError):
+                for r in call:
+                    seen[address].append(
+                        (int(r.running), int(r.waiting), float(r.generation_tokens_per_s))
+                    )
+
+    threads = [threading.Thread(target=watch, args=(a,), daemon=True) for a in addresses]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(5)
+        into["engine"] = {a: batch_summary(v) for a, v in seen.items()}
+
+
+def batch_summary(samples: list[tuple[int, int, float]]) -> dict[str, Any]:
+    """Running and waiting over the samples where the engine had any work."""
+    busy = [s for s in samples if s[0] or s[1]]
+    if not busy:
+        return {"samples": len(samples)}
+    running = sorted(s[0] for s in busy)
+    return {
+        "samples": len(busy),
+        "running_mean": round(sum(running) / len(running), 1),
+        "running_p50": running[len(running) // 2],
+        "running_max": running[-1],
+        "waiting_mean": round(sum(s[1] for s in busy) / len(busy), 1),
+        "tokens_per_s_mean": round(sum(s[2] for s in busy) / len(busy)),
+    }

@@ -44,9 +44,8 @@ TOKENS_PER_REQUEST_WEIGHT = 1024
 def load_score(c: Candidate) -> float:
     """Lower is less loaded. The worker's report counts every caller's requests but lags
     by up to one interval; this process's own requests since then (sent, less ended) are
-    exact, so they correct it at once: without that, each of several router processes
-    sent every new request to the worker that looked lighter at the last report, and in
-    front of two workers their split settled at 527 and 471 of 1000 (H200, 2026-12-02).
+    exact, so they correct it at once (before, with several router processes, a router's
+    own new requests counted only through the token weight until the next report).
     Never less than this process's own count; plus the token weight."""
     since = c.in_flight - c.in_flight_at_report
     requests = max(c.running + c.waiting + since, c.in_flight)
