@@ -74,10 +74,10 @@ class NotFound(SwitchyardError):
 class AdapterNotFound(NotFound):
     """A request (or UnloadAdapter) named a LoRA adapter the model does not hold."""
 
-    def __init__(self, model: str, adapter: str, known: list[str]) -> None:
+    def __init__(self, model: str, adapter: str, known: list[str] | None) -> None:
         self.adapter = adapter
-        held = ", ".join(known) or "none"
-        super().__init__(f"model {model!r} holds no adapter {adapter!r} (it holds: {held})")
+        held = "" if known is None else f" (it holds: {', '.join(known) or 'none'})"
+        super().__init__(f"model {model!r} holds no adapter {adapter!r}{held}")
 
 
 class LoadFailed(SwitchyardError):

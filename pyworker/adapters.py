@@ -131,7 +131,7 @@ class Adapters:
                 f"adapter rank {rank} exceeds the engine's max_lora_rank "
                 f"{self.limits.max_lora_rank}",
             )
-        if len(self._by_name) >= self.limits.max_cpu_loras:
+        if len(self._by_name) + len(self._loading) >= self.limits.max_cpu_loras:
             raise Overloaded(
                 f"this engine holds at most {self.limits.max_cpu_loras} adapters "
                 "(engine_args max_cpu_loras, default max_loras); unload one first"
@@ -173,6 +173,8 @@ class Adapters:
                 adapter.idle.set()
 
     def begin_unload(self, name: str) -> Adapter:
+        if not self.limits.enabled:
+            raise FailedPrecondition("this engine was started without LoRA; it holds no adapters")
         adapter = self._by_name.get(name)
         if adapter is None or adapter.unloading:
             raise NotFound.field("name", f"adapter {name!r} is not loaded")

@@ -75,6 +75,7 @@ class Generations:
         self._rate = TokenRate(window_s=rate_window_s)
         self._background: set[asyncio.Task[None]] = set()
         self.adapters = Adapters(engine.info.lora)
+        self._unloads: set[asyncio.Task[tuple[int, int]]] = set()
 
     @property
     def engine(self) -> Engine:
@@ -365,21 +366,30 @@ class Generations:
         """Stop new requests for the adapter at once, wait up to `grace_s` for those
         in flight, cancel the rest, then drop it from the engine: (drained, cancelled)."""
         adapter = self.adapters.begin_unload(name)
+        # Its own task: a caller that gives up (a deadline) does not leave it half done.
+        task = asyncio.get_running_loop().create_task(self._unload(adapter, grace_s))
+        self._unloads.add(task)
+        task.add_done_callback(self._unloads.discard)
+        return await asyncio.shield(task)
+
+    async def _unload(self, adapter: Adapter, grace_s: float) -> tuple[int, int]:
         at_start = len(adapter.in_flight)
         cancelled = 0
         try:
-            await asyncio.wait_for(adapter.idle.wait(), grace_s)
-        except TimeoutError:
-            cancelled = await self.abort(list(adapter.in_flight))
-            with contextlib.suppress(TimeoutError):  # aborted requests end promptly
-                await asyncio.wait_for(adapter.idle.wait(), ABORTED_END_S)
-        try:
-            await self._engine.llm.remove_lora(adapter.lora_id)
-        except Exception:  # the engine may drop it later; the name is gone either way
-            log.warning("engine remove_lora failed", adapter=name, exc_info=True)
-        self.adapters.remove(adapter)
+            try:
+                await asyncio.wait_for(adapter.idle.wait(), grace_s)
+            except TimeoutError:
+                cancelled = await self.abort(list(adapter.in_flight))
+                with contextlib.suppress(TimeoutError):  # aborted requests end promptly
+                    await asyncio.wait_for(adapter.idle.wait(), ABORTED_END_S)
+            try:
+                await self._engine.llm.remove_lora(adapter.lora_id)
+            except Exception:  # the engine may drop it later; the name is gone either way
+                log.warning("engine remove_lora failed", adapter=adapter.name, exc_info=True)
+        finally:
+            self.adapters.remove(adapter)  # however it went: the name is free again
         drained = at_start - cancelled
-        log.info("adapter unload done", adapter=name, drained=drained, cancelled=cancelled)
+        log.info("adapter unload done", adapter=adapter.name, drained=drained, cancelled=cancelled)
         return drained, cancelled
 
     def load_report(self) -> Any:

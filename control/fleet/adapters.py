@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from control.errors import (
     FieldViolation,
     InvalidArgument,
     NoHealthyWorker,
+    NotFound,
     SwitchyardError,
 )
 from control.fleet.models import ModelEntry, ModelRegistry
@@ -79,40 +81,51 @@ class AdapterManager:
         if not workers:
             raise NoHealthyWorker(f"model {model!r} has no serving worker to load it on")
         self._loading.add((model, name))
+        done = False
         try:
             got = await asyncio.gather(
                 *(w.load_adapter(name, path) for w in workers), return_exceptions=True
             )
             failed = [g for g in got if isinstance(g, BaseException)]
-            loaded = [w for w, g in zip(workers, got, strict=True) if isinstance(g, int)]
-            if failed:  # all or none: take it back off those that took it
-                await asyncio.gather(
-                    *(w.unload_adapter(name, 0.0) for w in loaded), return_exceptions=True
-                )
+            if failed:
                 raise failed[0]
             spec = AdapterSpec(name, path, max(g for g in got if isinstance(g, int)))
             entry.adapters[name] = spec
-            for w in loaded:
-                w.adapters.add(name)
+            for w in workers:
+                if w.serving:  # one that restarted meanwhile lost it; the sync gives it back
+                    w.adapters.add(name)
+            done = True
         finally:
             self._loading.discard((model, name))
-        log.info("adapter loaded", model=model, adapter=name, path=path, workers=len(loaded))
+            if not done:  # all or none (also when the caller gave up): take it back off
+                await asyncio.shield(
+                    asyncio.gather(
+                        *(w.unload_adapter(name, 0.0) for w in workers), return_exceptions=True
+                    )
+                )
+        log.info("adapter loaded", model=model, adapter=name, path=path, workers=len(workers))
         return spec, time.monotonic() - started
 
     async def unload(self, model: str, name: str, grace_s: float) -> tuple[int, int]:
         """Stop routing to it at once; each worker waits up to `grace_s` for its
         requests, then cancels the rest. (drained, cancelled) over all workers."""
+        if not math.isfinite(grace_s) or grace_s < 0:
+            raise InvalidArgument([FieldViolation("grace_s", "must be a finite number >= 0")])
         entry = self._registry.get(model)
         if entry.adapters.pop(name, None) is None:
             raise AdapterNotFound(model, name, sorted(entry.adapters))
-        holders = [w for w in entry.workers if name in w.adapters]
-        for w in holders:
+        # Every worker of the model: one whose holding this process lost track of (a health
+        # blip clears it) may still hold it. Those that do not answer NOT_FOUND.
+        workers = list(entry.workers)
+        for w in workers:
             w.adapters.discard(name)
         got = await asyncio.gather(
-            *(w.unload_adapter(name, grace_s) for w in holders), return_exceptions=True
+            *(w.unload_adapter(name, grace_s) for w in workers), return_exceptions=True
         )
         drained = cancelled = 0
-        for w, g in zip(holders, got, strict=True):
+        for w, g in zip(workers, got, strict=True):
+            if isinstance(g, NotFound):
+                continue
             if isinstance(g, BaseException):  # a worker gone or restarting holds nothing
                 log.warning("adapter unload failed", worker=w.address, adapter=name, error=str(g))
                 continue
@@ -132,16 +145,19 @@ class AdapterManager:
         that restarted, or joined through DNS, holds none)."""
         while True:
             await asyncio.sleep(SYNC_INTERVAL_S)
-            for entry in self._registry.all():
-                for spec in list(entry.adapters.values()):
-                    for w in entry.workers:
-                        if w.serving and spec.name not in w.adapters:
-                            await self._give(entry, w, spec)
+            gives = [
+                self._give(entry, w, spec)
+                for entry in self._registry.all()
+                for spec in list(entry.adapters.values())
+                for w in entry.workers
+                if w.serving and spec.name not in w.adapters
+            ]
+            await asyncio.gather(*gives)
 
     async def _give(self, entry: ModelEntry, w: WorkerClient, spec: AdapterSpec) -> None:
         try:
-            await w.load_adapter(spec.name, spec.path)
-        except SwitchyardError as e:
+            await w.load_adapter(spec.name, spec.path, timeout=60.0)
+        except Exception as e:  # a worker gone, closed or refusing: the next round retries
             log.warning("adapter not restored", worker=w.address, adapter=spec.name, error=str(e))
             return
         if entry.adapters.get(spec.name) is spec:  # not unloaded meanwhile

@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
+import grpc
 import structlog
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from opentelemetry.trace import StatusCode
@@ -27,6 +28,7 @@ from switchyard.v1 import common_pb2, generation_pb2
 from switchyard.worker.v1 import worker_pb2
 
 from control.errors import (
+    AdapterNotFound,
     FieldViolation,
     InvalidArgument,
     NoHealthyWorker,
@@ -538,6 +540,9 @@ def _public_field(field: str, params: GenerationParams) -> str:
 
 def _client_error(failure: WorkerCallFailed, params: GenerationParams) -> SwitchyardError:
     """What the client hears of a worker failure that ends its request before any token."""
+    if failure.kind is FailureKind.REJECTED and failure.code == grpc.StatusCode.NOT_FOUND:
+        # The worker no longer holds the adapter (unloaded since this process looked).
+        return AdapterNotFound(params.model, params.adapter, None)
     if failure.kind is FailureKind.REJECTED:
         violations = [
             FieldViolation(

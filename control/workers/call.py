@@ -48,6 +48,7 @@ _KIND_BY_CODE: dict[grpc.StatusCode, FailureKind] = {
     grpc.StatusCode.INVALID_ARGUMENT: FailureKind.REJECTED,
     grpc.StatusCode.OUT_OF_RANGE: FailureKind.REJECTED,
     grpc.StatusCode.FAILED_PRECONDITION: FailureKind.REJECTED,
+    grpc.StatusCode.NOT_FOUND: FailureKind.REJECTED,  # an adapter it no longer holds
     grpc.StatusCode.RESOURCE_EXHAUSTED: FailureKind.OVERLOADED,
 }
 

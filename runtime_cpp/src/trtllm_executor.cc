@@ -142,13 +142,19 @@ struct TrtllmExecutor::LoraStore {
   std::mutex mu;
   std::unordered_map<AdapterId, Lora> loras;
 
+  // The config for a request of task `id`: the weights until a request carrying them was
+  // enqueued (sent()), the id alone after.
   tle::LoraConfig config_for(AdapterId id) {
     std::lock_guard<std::mutex> lock(mu);
     auto it = loras.find(id);
     if (it == loras.end()) throw InvalidRequest("adapter", "no adapter with task id " + std::to_string(id));
     if (it->second.sent) return tle::LoraConfig(id);
-    it->second.sent = true;
     return tle::LoraConfig(id, it->second.weights, it->second.config);
+  }
+  void sent(AdapterId id) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = loras.find(id);
+    if (it != loras.end()) it->second.sent = true;
   }
 };
 
@@ -222,6 +228,7 @@ RequestId TrtllmExecutor::enqueue(const GenRequest& r) {
     // control plane tries another worker once.
     throw EngineFault(std::string("the executor refused the request: ") + e.what());
   }
+  if (r.adapter) loras_->sent(*r.adapter);  // enqueued with its weights (or after them)
   std::lock_guard<std::mutex> lock(prompt_mu_);
   prompt_tokens_[id] = static_cast<std::int32_t>(r.prompt.size());
   return id;

@@ -429,6 +429,11 @@ grpc::ServerUnaryReactor* WorkerService::UnloadAdapter(grpc::CallbackServerConte
                                                        const wv1::UnloadAdapterRequest* request,
                                                        wv1::UnloadAdapterResponse* response) {
   auto* reactor = context->DefaultReactor();
+  if (!info_.lora) {
+    reactor->Finish(field_status(grpc::StatusCode::FAILED_PRECONDITION, "name",
+                                 "this engine was started without LoRA; it holds no adapters"));
+    return reactor;
+  }
   run_off_thread([this, request, response, reactor] {
     auto done = adapters_.unload(request->name(), std::chrono::milliseconds(request->grace_ms()));
     if (!done) {
@@ -444,8 +449,25 @@ grpc::ServerUnaryReactor* WorkerService::UnloadAdapter(grpc::CallbackServerConte
 }
 
 void WorkerService::run_off_thread(std::function<void()> work) {
-  std::lock_guard<std::mutex> lock(admin_mu_);
-  admin_threads_.emplace_back(std::move(work));
+  std::vector<std::thread> finished;
+  {
+    std::lock_guard<std::mutex> lock(admin_mu_);
+    for (auto it = admin_threads_.begin(); it != admin_threads_.end();) {
+      if (it->done->load()) {
+        finished.push_back(std::move(it->thread));
+        it = admin_threads_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    admin_threads_.push_back(AdminThread{std::thread([work = std::move(work), done] {
+                                           work();
+                                           done->store(true);
+                                         }),
+                                         done});
+  }
+  for (auto& t : finished) t.join();  // no lock held; each has returned already
 }
 
 grpc::ServerWriteReactor<wv1::LoadReport>* WorkerService::StreamLoad(
@@ -485,9 +507,13 @@ void WorkerService::ticker() {
 WorkerService::~WorkerService() {
   stop_ticker_.store(true);
   if (ticker_.joinable()) ticker_.join();
-  std::lock_guard<std::mutex> lock(admin_mu_);
-  for (auto& t : admin_threads_) {
-    if (t.joinable()) t.join();
+  std::vector<AdminThread> threads;
+  {
+    std::lock_guard<std::mutex> lock(admin_mu_);
+    threads.swap(admin_threads_);
+  }
+  for (auto& t : threads) {
+    if (t.thread.joinable()) t.thread.join();
   }
 }
 

@@ -71,8 +71,12 @@ class WorkerService final : public ::switchyard::worker::v1::Worker::CallbackSer
   // LoadAdapter and UnloadAdapter block (reading weights, waiting for requests): each runs
   // on a thread of its own, joined when the service goes.
   void run_off_thread(std::function<void()> work);
+  struct AdminThread {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
   std::mutex admin_mu_;
-  std::vector<std::thread> admin_threads_;
+  std::vector<AdminThread> admin_threads_;  // finished ones are joined at the next call
   std::atomic<bool> draining_{false};
   std::atomic<int> live_streams_{0};
   void ticker();

@@ -119,6 +119,9 @@ def test_bad_adapters_are_refused_naming_the_field(
         assert [v.field for v in refused.value.violations] == ["adapter"]
         with pytest.raises(NotFound):
             client.unload_adapter("tiny", "never-loaded")
+        with pytest.raises(InvalidArgument) as grace:
+            client.unload_adapter("tiny", "never-loaded", grace_s=-1)
+        assert grace.value.violations[0].field == "grace_s"
         assert "wide" not in {a.name for a in client.adapters()}
 
 
@@ -133,7 +136,7 @@ def test_unloading_an_adapter_in_use_waits_for_its_requests(
 
         def stream() -> None:
             call = client.generate(
-                "tiny", "The", adapter="slow", max_tokens=400, ignore_eos=True, temperature=0.0
+                "tiny", "The", adapter="slow", max_tokens=1200, ignore_eos=True, temperature=0.0
             )
             for chunk in call:
                 chunks.append(chunk)
@@ -147,7 +150,7 @@ def test_unloading_an_adapter_in_use_waits_for_its_requests(
         reader.join(60)
         # Unload returned after the request ended on its own, whole.
         assert finals and finals[0].finish_reason == "length", finals
-        assert finals[0].adapter == "slow" and finals[0].usage.completion_tokens == 400
+        assert finals[0].adapter == "slow" and finals[0].usage.completion_tokens == 1200
         assert unloaded.drained_requests == 1 and unloaded.cancelled_requests == 0
         with pytest.raises(NotFound):
             greedy(client, "slow")
@@ -179,8 +182,8 @@ def test_the_cpp_worker_takes_adapters_the_same_way(plane: Proc, adapters: dict[
         finals: list[Any] = []
         started = threading.Event()
 
-        def stream() -> None:  # 300 tokens at 5 ms a step: 1.5 s
-            call = client.generate("sim-lora", "The", adapter="a", max_tokens=300, ignore_eos=True)
+        def stream() -> None:  # 1200 tokens at 5 ms a step: 6 s
+            call = client.generate("sim-lora", "The", adapter="a", max_tokens=1200, ignore_eos=True)
             for _ in call:
                 started.set()
             finals.append(call.final)
