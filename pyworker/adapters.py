@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +27,9 @@ from pyworker.errors import (
     NotFound,
     Overloaded,
 )
+from switchyard_common.names import ADAPTER_NAME, ADAPTER_NAME_RULE
 
 log = structlog.get_logger(__name__)
-
-NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +112,8 @@ class Adapters:
                 "this engine was started without LoRA (engine_args enable_lora: true, "
                 "with max_loras and max_lora_rank)"
             )
-        if not NAME.fullmatch(name):
-            raise InvalidArgument.field("name", "must be 1 to 64 of A-Z a-z 0-9 . _ -")
+        if not ADAPTER_NAME.fullmatch(name):
+            raise InvalidArgument.field("name", ADAPTER_NAME_RULE)
         if name in self._loading:
             raise AlreadyExists(f"adapter {name!r} is being loaded")
         held = self._by_name.get(name)

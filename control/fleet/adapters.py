@@ -29,8 +29,8 @@ from control.errors import (
     SwitchyardError,
 )
 from control.fleet.models import ModelEntry, ModelRegistry
-from control.text.params import ADAPTER_NAME
 from control.workers.client import WorkerClient
+from switchyard_common.names import ADAPTER_NAME, ADAPTER_NAME_RULE
 
 log = structlog.get_logger(__name__)
 
@@ -58,7 +58,7 @@ class AdapterManager:
         entry = self._registry.get(model)
         violations = []
         if not ADAPTER_NAME.fullmatch(name):
-            violations.append(FieldViolation("name", "must be 1 to 64 of A-Z a-z 0-9 . _ -"))
+            violations.append(FieldViolation("name", ADAPTER_NAME_RULE))
         if not path:
             violations.append(FieldViolation("path", "required: the adapter's directory"))
         if violations:

@@ -9,7 +9,6 @@ context) once the prompt is tokenized, and settles `max_tokens`.
 from __future__ import annotations
 
 import math
-import re
 import uuid
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ from switchyard.v1 import generation_pb2
 
 from control.errors import FieldViolation, InvalidArgument
 from control.text.constraints import Constraint, parse_constraint
+from switchyard_common.names import ADAPTER_NAME, ADAPTER_NAME_RULE
 
 # Limits on what one request may ask for, checked before any work is done (README, "Limits").
 MAX_PROMPT_CHARS = 1_000_000  # prompt text; longer prompts cannot fit any served context
@@ -29,8 +29,6 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_REQUEST_ID = 128
 MAX_SAMPLES = 16  # n: samples of one prompt, fanned out by the control plane
-# A LoRA adapter's name (LoadAdapter, GenerateRequest.adapter).
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +211,7 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
         v.append(FieldViolation("n", f"at most {MAX_SAMPLES} samples, got {n}"))
 
     if req.adapter and not ADAPTER_NAME.fullmatch(req.adapter):
-        v.append(FieldViolation("adapter", "must be 1 to 64 of A-Z a-z 0-9 . _ -"))
+        v.append(FieldViolation("adapter", ADAPTER_NAME_RULE))
 
     request_id = req.request_id
     if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():

@@ -55,6 +55,30 @@ def greedy(client: Client, adapter: str = "") -> tuple[tuple[int, ...], str]:
     return done.token_ids, done.text
 
 
+def unload_while_streaming(
+    client: Client, model: str, adapter: str, grace_s: float, **options: Any
+) -> tuple[list[Any], Any]:
+    """UnloadAdapter while a long stream (1200 tokens) uses the adapter: the stream's
+    finals, and what the unload said."""
+    started = threading.Event()
+    finals: list[Any] = []
+
+    def stream() -> None:
+        call = client.generate(
+            model, "The", adapter=adapter, max_tokens=1200, ignore_eos=True, **options
+        )
+        for _ in call:
+            started.set()
+        finals.append(call.final)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(120), "the stream never started"
+    unloaded = client.unload_adapter(model, adapter, grace_s=grace_s)
+    reader.join(60)
+    return finals, unloaded
+
+
 def test_capabilities_declare_lora(plane: Proc) -> None:
     with grpc.insecure_channel(plane.address) as ch:
         listed = generation_pb2_grpc.GenerationStub(ch).ListModels(
@@ -130,24 +154,7 @@ def test_unloading_an_adapter_in_use_waits_for_its_requests(
 ) -> None:
     with Client(plane.address, timeout=180) as client:
         client.load_adapter("tiny", "slow", str(adapters["a"]))
-        chunks: list[Any] = []
-        started = threading.Event()
-        finals: list[Any] = []
-
-        def stream() -> None:
-            call = client.generate(
-                "tiny", "The", adapter="slow", max_tokens=1200, ignore_eos=True, temperature=0.0
-            )
-            for chunk in call:
-                chunks.append(chunk)
-                started.set()
-            finals.append(call.final)
-
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert started.wait(120), "the stream never started"
-        unloaded = client.unload_adapter("tiny", "slow", grace_s=120)
-        reader.join(60)
+        finals, unloaded = unload_while_streaming(client, "tiny", "slow", 120, temperature=0.0)
         # Unload returned after the request ended on its own, whole.
         assert finals and finals[0].finish_reason == "length", finals
         assert finals[0].adapter == "slow" and finals[0].usage.completion_tokens == 1200
@@ -179,20 +186,8 @@ def test_the_cpp_worker_takes_adapters_the_same_way(plane: Proc, adapters: dict[
         assert wide.value.violations[0].field == "path"
         assert "max_lora_rank 8" in wide.value.violations[0].description
 
-        finals: list[Any] = []
-        started = threading.Event()
-
-        def stream() -> None:  # 1200 tokens at 5 ms a step: 6 s
-            call = client.generate("sim-lora", "The", adapter="a", max_tokens=1200, ignore_eos=True)
-            for _ in call:
-                started.set()
-            finals.append(call.final)
-
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert started.wait(60), "the stream never started"
-        unloaded = client.unload_adapter("sim-lora", "a", grace_s=60)
-        reader.join(60)
+        # 1200 tokens at 5 ms a step: 6 s
+        finals, unloaded = unload_while_streaming(client, "sim-lora", "a", 60)
         assert finals and finals[0].finish_reason == "length" and finals[0].adapter == "a"
         assert unloaded.drained_requests == 1 and unloaded.cancelled_requests == 0
         with pytest.raises(NotFound):
