@@ -1,5 +1,5 @@
 """A fast engine on the H200: a Llama-3.2-1B shape, where the fronts, not the GPU, set
-the pace (issue 11). Run by `bench.gpu --phase fast|fast2|pin1|pin2` (scripts/gpu-bench.sh).
+the pace (issue 11). Run by `bench.gpu --phase PHASE` (scripts/gpu-bench.sh):
 
     fast:  AsyncLLM in-process; `switchyard serve` with its vLLM worker: the worker called
            directly (GenerateStream), the control plane in one process, and router-only
@@ -11,6 +11,8 @@ the pace (issue 11). Run by `bench.gpu --phase fast|fast2|pin1|pin2` (scripts/gp
     pin1:  AsyncLLM, then one worker and one control plane with the engine core free
            and pinned to a physical core of its own, alternating (bench/gpu_pin.py)
     pin2:  fast2's two workers, then once more with both engine cores pinned
+    routers2: two workers directly, behind one control plane, and behind four routers,
+           alternating with $SWITCHYARD_BEFORE's routers where it is set
 
 Every system gets FAST_SETTINGS; 1000 concurrent requests of 128 prompt and 256 output
 tokens (ignore_eos), WAVES times as many in all, load from CLIENTS processes over
@@ -389,10 +391,12 @@ def two_workers(
     pin: bool = False,
     rounds: int = 2,
     routers: tuple[int, ...] = TWO_WORKER_ROUTERS,
+    before: Path | None = None,
 ) -> dict[str, Any]:
     """Two workers on one GPU (each with under half of its memory): both called directly
     at once, then one control plane in front of both; with `pin`, once more with each
-    engine core on a physical core of its own (bench/gpu_pin.py)."""
+    engine core on a physical core of its own (bench/gpu_pin.py). With `before` (another
+    checkout's control plane), each router count runs twice with each, alternating."""
     settings = {**FAST_SETTINGS, "gpu_memory_utilization": 0.42}
     result: dict[str, Any] = {"label": "fast-two-workers", "settings": settings, "runs": []}
     logs = out / "logs-two"
@@ -441,16 +445,20 @@ def two_workers(
                 _run(result, label, "switchyard", cp, cpu, engines=workers)
         if pin:
             pinning.unpin()
-        for n in routers:
+        order = [(n, c) for n in routers for c in ((None, before) * 2 if before else (None,))]
+        for i_run, (n, cwd) in enumerate(order):
             remote = _remote("m", model, workers)
-            with systems.control_plane(remote, logs, f"routers-{n}", n) as (rcp, rp):
+            name = f"routers-{n}" + ("-before" if cwd else "")
+            with systems.control_plane(remote, logs, name, n, cwd=cwd) as (rcp, rp):
                 children = systems.descendants(rp.popen.pid)
                 rpids = [rp.popen.pid, *children]
-                label = f"control plane x{n}, two workers"
+                label = f"control plane x{n}, two workers" + (", before" if cwd else "")
                 # two of its routers, and both workers (what the routers wait on)
-                targets = {f"router{n}-{i}": pid for i, pid in enumerate(children[:2])}
-                targets |= {f"worker{n}-{i}": pid for i, pid in enumerate(worker_pids[:2])}
-                with profiled(out, targets):
+                tag = f"{n}-before" if cwd else f"{n}"
+                targets = {f"router{tag}-{i}": pid for i, pid in enumerate(children[:2])}
+                targets |= {f"worker{tag}-{i}": pid for i, pid in enumerate(worker_pids[:2])}
+                first = order.index((n, cwd)) == i_run  # profiled once each
+                with profiled(out, targets if first else {}):
                     cpu = {"control": rpids}
                     run = _run(result, label, "switchyard", rcp, cpu, engines=workers)
                 run["per_router_cpu_s"] = _per_process_cores(rpids)
@@ -517,7 +525,9 @@ def steps(phase: str, model: Path, out: Path) -> list[tuple[str, Callable[[], di
     if phase == "pin2":
         return [("two-workers", lambda: two_workers(model, out, pin=True))]
     if phase == "routers2":  # the routers' split of two workers, once each
-        return [("two-workers", lambda: two_workers(model, out, rounds=1, routers=(4,)))]
+        return [
+            ("two-workers", lambda: two_workers(model, out, rounds=1, routers=(4,), before=before))
+        ]
     out_steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("two-workers", lambda: two_workers(model, out)),
         ("vllm-grpc", lambda: peer("vllm-grpc", model, out)),
