@@ -385,6 +385,35 @@ def before_worker(model: Path, out: Path, before: Path) -> dict[str, Any]:
     return result
 
 
+def _both_directly(workers: list[str], label: str) -> dict[str, Any]:
+    """Both workers called directly at once, half the load each."""
+    both: list[dict[str, Any]] = []
+    batches: dict[str, Any] = {}
+
+    def one(address: str) -> None:
+        both.append(run_load("worker-stream", address, "m", LOAD // 2, 1, processes=3, waves=WAVES))
+
+    threads = [threading.Thread(target=one, args=(w,)) for w in workers]
+    with systems.engine_batches(workers, batches):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    combined = {
+        "label": label,
+        "system": "worker-stream x2",
+        "requests": sum(r["requests"] for r in both),
+        "tokens": sum(r["tokens"] for r in both),
+        # both ran at once: all their tokens over the longer of the two runs
+        "tokens_per_s": sum(r["tokens"] for r in both) / max(r["seconds"] for r in both),
+        "errors": sum(r["errors"] for r in both),
+        "parts": both,
+        **batches,
+    }
+    log.info("run", system=label, tokens_per_s=round(combined["tokens_per_s"]))
+    return combined
+
+
 def two_workers(
     model: Path,
     out: Path,
@@ -392,11 +421,13 @@ def two_workers(
     rounds: int = 2,
     routers: tuple[int, ...] = TWO_WORKER_ROUTERS,
     before: Path | None = None,
+    direct_between: bool = False,
 ) -> dict[str, Any]:
     """Two workers on one GPU (each with under half of its memory): both called directly
     at once, then one control plane in front of both; with `pin`, once more with each
     engine core on a physical core of its own (bench/gpu_pin.py). With `before` (another
-    checkout's control plane), each router count runs twice with each, alternating."""
+    checkout's control plane), each router count runs twice with each, alternating (three
+    times, with `direct_between`: both workers called directly before every router run)."""
     settings = {**FAST_SETTINGS, "gpu_memory_utilization": 0.42}
     result: dict[str, Any] = {"label": "fast-two-workers", "settings": settings, "runs": []}
     logs = out / "logs-two"
@@ -412,41 +443,19 @@ def two_workers(
         for round_, how in enumerate(["free"] * rounds + (["pinned"] if pin else [])):
             if how == "pinned":
                 result["pinned"] = pinning.pin()
-            both: list[dict[str, Any]] = []
-            batches: dict[str, Any] = {}
-
-            def one(address: str, into: list[dict[str, Any]] = both) -> None:
-                into.append(
-                    run_load("worker-stream", address, "m", LOAD // 2, 1, processes=3, waves=WAVES)
-                )
-
-            threads = [threading.Thread(target=one, args=(w,)) for w in workers]
-            with systems.engine_batches(workers, batches):
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-            combined = {
-                "label": "both workers directly, at once" + (", pinned" if how == "pinned" else ""),
-                "system": "worker-stream x2",
-                "requests": sum(r["requests"] for r in both),
-                "tokens": sum(r["tokens"] for r in both),
-                # both ran at once: all their tokens over the longer of the two runs
-                "tokens_per_s": sum(r["tokens"] for r in both) / max(r["seconds"] for r in both),
-                "errors": sum(r["errors"] for r in both),
-                "parts": both,
-                **batches,
-            }
-            result["runs"].append(combined)
-            log.info("run", system=combined["label"], tokens_per_s=round(combined["tokens_per_s"]))
+            label = "both workers directly, at once" + (", pinned" if how == "pinned" else "")
+            result["runs"].append(_both_directly(workers, label))
             cpu = {"control": [proc.popen.pid]}
             with profiled(out, {"control-two": proc.popen.pid} if round_ == 0 else {}):
                 label = "control plane x1, two workers" + (", pinned" if how == "pinned" else "")
                 _run(result, label, "switchyard", cp, cpu, engines=workers)
         if pin:
             pinning.unpin()
-        order = [(n, c) for n in routers for c in ((None, before) * 2 if before else (None,))]
+        pair = (None, before) * (3 if direct_between else 2) if before else (None,)
+        order = [(n, c) for n in routers for c in pair]
         for i_run, (n, cwd) in enumerate(order):
+            if direct_between:  # the engines' pace just before each router run
+                result["runs"].append(_both_directly(workers, "both workers directly, at once"))
             remote = _remote("m", model, workers)
             name = f"routers-{n}" + ("-before" if cwd else "")
             with systems.control_plane(remote, logs, name, n, cwd=cwd) as (rcp, rp):
@@ -526,7 +535,12 @@ def steps(phase: str, model: Path, out: Path) -> list[tuple[str, Callable[[], di
         return [("two-workers", lambda: two_workers(model, out, pin=True))]
     if phase == "routers2":  # the routers' split of two workers, once each
         return [
-            ("two-workers", lambda: two_workers(model, out, rounds=1, routers=(4,), before=before))
+            (
+                "two-workers",
+                lambda: two_workers(
+                    model, out, rounds=1, routers=(4,), before=before, direct_between=True
+                ),
+            )
         ]
     out_steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("two-workers", lambda: two_workers(model, out)),
