@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from pyworker.adapters import LoraLimits
+from pyworker.beams import max_beam_width
 from pyworker.engine_args import blame, current_machine, engine_arg_names, resolve
 from pyworker.gpu_memory import GpuMemoryReader
 from pyworker.stderr_tail import StderrTail
@@ -49,6 +50,7 @@ class EngineInfo:
     # The OutputConstraint kinds its structured-output backend takes (Capabilities).
     structured_output: tuple[str, ...] = ()
     lora: LoraLimits = field(default_factory=LoraLimits)  # the engine's LoRA settings
+    max_beam_width: int = 0  # beam search (pyworker/beams.py); 0: none
 
 
 @dataclass
@@ -267,6 +269,7 @@ def engine_info(llm: Any, model: str) -> EngineInfo:
     parallel_config = vllm_config.parallel_config
     weight_dtype = str(model_config.dtype).removeprefix("torch.")
     kv_dtype = str(cache_config.cache_dtype)
+    max_logprobs = int(getattr(model_config, "max_logprobs", 20))
     return EngineInfo(
         engine="vllm",
         engine_version=str(getattr(vllm, "__version__", "unknown")),
@@ -276,7 +279,7 @@ def engine_info(llm: Any, model: str) -> EngineInfo:
         eos_token_ids=_eos_token_ids(llm, model_config),
         kv_block_size=int(cache_config.block_size or 0),
         kv_blocks_total=int(getattr(cache_config, "num_gpu_blocks", 0) or 0),
-        max_logprobs=int(getattr(model_config, "max_logprobs", 20)),
+        max_logprobs=max_logprobs,
         priority_scheduling=str(getattr(scheduler_config, "policy", "fcfs")) == "priority",
         tensor_parallel_size=int(parallel_config.tensor_parallel_size),
         pipeline_parallel_size=int(parallel_config.pipeline_parallel_size),
@@ -287,6 +290,7 @@ def engine_info(llm: Any, model: str) -> EngineInfo:
         max_num_tokens=int(getattr(scheduler_config, "max_num_batched_tokens", 0) or 0),
         structured_output=_structured_output_kinds(vllm_config),
         lora=LoraLimits.of(getattr(vllm_config, "lora_config", None)),
+        max_beam_width=max_beam_width(max_logprobs, not model_config.skip_tokenizer_init),
     )
 
 

@@ -19,6 +19,7 @@ import structlog
 from switchyard.v1 import common_pb2
 from switchyard.worker.v1 import worker_pb2
 
+from pyworker import beams
 from pyworker.adapters import Adapter, Adapters
 from pyworker.engine import Engine
 from pyworker.errors import (
@@ -194,6 +195,9 @@ class Generations:
     ) -> None:
         """Relay the engine's outputs. Only waiting on the engine counts against the
         deadline (TimeoutError); a write to the client is never interrupted half-way."""
+        if parsed.beam_width > 1:
+            await self._beam_search(parsed, state, sink, arrived, deadline)
+            return
         llm = self._engine.llm
         completion_tokens = 0
         cached_tokens = 0
@@ -272,6 +276,54 @@ class Generations:
                 parsed,
             )
 
+    async def _beam_search(
+        self,
+        parsed: ParsedGenerate,
+        state: InFlight,
+        sink: Sink,
+        arrived: float,
+        deadline: float | None,
+    ) -> None:
+        """One beam search, answered with one Final that carries every beam. An Abort
+        cancels the search's task (its engine requests have ids of their own)."""
+        llm = self._engine.llm
+        prompt = self._engine.make_prompt(parsed.prompt_token_ids)
+        task = asyncio.ensure_future(
+            beams.search(
+                llm,
+                prompt,
+                state.request_id,
+                parsed.beam_width,
+                parsed.sampling_params,
+                parsed.lora_request,
+            )
+        )
+        state.on_abort = task.cancel
+        loop = asyncio.get_running_loop()
+        when = None if deadline is None else loop.time() + (deadline - time.monotonic())
+        try:
+            async with asyncio.timeout_at(when):
+                final = await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not state.aborted or (current is not None and current.cancelling()):
+                raise  # the caller went away: nothing to answer
+            final = worker_pb2.Final(finish_reason=common_pb2.FINISH_REASON_CANCELLED)
+        except (TimeoutError, WorkerError):
+            raise
+        except Exception as exc:
+            raise refusal(exc) from exc
+        finally:
+            state.on_abort = None
+        if state.aborted:
+            final = worker_pb2.Final(finish_reason=common_pb2.FINISH_REASON_CANCELLED)
+        final.usage.prompt_tokens = len(parsed.prompt_token_ids)
+        final.time_to_first_token_ms = (time.monotonic() - arrived) * 1000.0
+        state.completion_tokens = final.usage.completion_tokens
+        self._rate.add(state.completion_tokens)
+        state.finished = True
+        await sink.final(final)
+
     async def _engine_error(
         self,
         exc: BaseException,
@@ -335,7 +387,10 @@ class Generations:
             if (state := self._inflight.get(rid)) is not None and not state.finished
         ]
         for rid in ids:
-            self._inflight[rid].aborted = True
+            state = self._inflight[rid]
+            state.aborted = True
+            if state.on_abort is not None:
+                state.on_abort()
         if ids:
             try:
                 await self._engine.llm.abort(ids)

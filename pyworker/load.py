@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -21,6 +22,8 @@ class InFlight:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # streamed so far
     adapter: str = ""  # the LoRA adapter it uses
+    # Stops a request whose engine requests have ids of their own (a beam search's).
+    on_abort: Callable[[], object] | None = None
 
 
 class TokenRate:

@@ -43,6 +43,7 @@ class ParsedGenerate:
     prompt_logprobs: int | None = None  # top-n for each prompt token, in the first chunk
     adapter: str = ""  # the LoRA adapter's name ("" for the base model)
     lora_request: Any = None  # its vllm LoRARequest, once admitted
+    beam_width: int = 1  # beam search (pyworker/beams.py) when > 1
 
     @property
     def trace_id(self) -> str | None:
@@ -111,6 +112,9 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
         else:
             constraint_field = f"constraint.{kind}"
             sampling_kwargs.update(structured_output_kwargs(request.constraint, kind))
+    beam_width = int(request.beam_width) or 1
+    if beam_width > 1:
+        _check_beam(request, beam_width, info, violations)
     if violations:
         raise InvalidArgument(violations)
 
@@ -143,7 +147,34 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
         constraint_field=constraint_field,
         prompt_logprobs=prompt_logprobs,
         adapter=str(request.adapter),
+        beam_width=beam_width,
     )
+
+
+def _check_beam(request: Any, width: int, info: EngineInfo, out: list[FieldViolation]) -> None:
+    """vLLM's beam search takes a width, max_tokens, ignore_eos and a temperature only;
+    what else a request asks for is refused, not dropped."""
+    if width > info.max_beam_width:
+        most = info.max_beam_width
+        out.append(
+            FieldViolation(
+                "beam_width",
+                f"this engine searches at most {most} beams, got {width}"
+                if most
+                else "this engine has no beam search",
+            )
+        )
+    s = request.sampling
+    others = [f.name for f, _ in s.ListFields() if f.name != "temperature"]
+    asked = [
+        *(f"sampling.{name}" for name in others),
+        *(["stop_token_ids"] if request.stop_token_ids else []),
+        *(["min_tokens"] if request.min_tokens else []),
+        *(["logprobs"] if request.HasField("logprobs") else []),
+        *(["prompt_logprobs"] if request.HasField("prompt_logprobs") else []),
+        *(["constraint"] if request.HasField("constraint") else []),
+    ]
+    out.extend(FieldViolation(name, "not with beam search (beam_width > 1)") for name in asked)
 
 
 def structured_output_kwargs(constraint: Any, kind: str) -> dict[str, Any]:

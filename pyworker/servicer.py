@@ -100,6 +100,8 @@ class WorkerServicer:
                 lora=info.lora.enabled,
                 max_loras=info.lora.max_loras,
                 max_lora_rank=info.lora.max_lora_rank,
+                beam_search=info.max_beam_width > 0,
+                max_beam_width=info.max_beam_width,
             ),
             adapters=[_adapter_info(a) for a in self.generations.adapters.all()],
         )

@@ -29,6 +29,7 @@ from pyworker.errors import AlreadyExists, EngineFailure, InvalidArgument, Worke
 from pyworker.generation import Generations
 from pyworker.relay import StreamedRequest
 from pyworker.request import deadline_after
+from pyworker.served import ServedRequest
 
 log = structlog.get_logger(__name__)
 
@@ -47,7 +48,7 @@ class Session:
         self._ready = asyncio.Event()
         self._closing = False
         # attempt id -> its request, until it is over in the engine and released
-        self._requests: dict[int, StreamedRequest] = {}
+        self._requests: dict[int, StreamedRequest | ServedRequest] = {}
         self._live: set[int] = set()  # attempts whose caller still listens
         self._ending: set[asyncio.Future[None]] = set()  # cancelled, not released yet
         self._starts: set[asyncio.Task[None]] = set()
@@ -112,7 +113,9 @@ class Session:
             self._error(attempt_id, EngineFailure(f"worker error: {exc!r}"))
             return
         deadline = deadline_after(request.timeout_ms / 1000.0) if request.timeout_ms else None
-        streamed = StreamedRequest(
+        # A beam search answers once, at the end: a task of its own, nothing to batch.
+        kind = ServedRequest if parsed.beam_width > 1 else StreamedRequest
+        streamed = kind(
             self._generations, parsed, state, _EventSink(self, attempt_id), arrived, deadline
         )
         self._requests[attempt_id] = streamed
@@ -122,7 +125,7 @@ class Session:
         self._starts.add(task)
         task.add_done_callback(self._starts.discard)
 
-    def _over(self, attempt_id: int, request: StreamedRequest) -> None:
+    def _over(self, attempt_id: int, request: StreamedRequest | ServedRequest) -> None:
         if self._requests.get(attempt_id) is request:
             del self._requests[attempt_id]
 

@@ -46,6 +46,13 @@ def check_capabilities(entry: ModelEntry, params: GenerationParams) -> None:
             f"{constraint.kind} (structured output it takes: {takes})",
             field=constraint.field,
         )
+    if params.beam_width > 1 and not caps.beam_search:
+        raise FailedPrecondition(f"beam_width: {engine} has no beam search", field="beam_width")
+    if params.beam_width > caps.max_beam_width > 0:
+        raise InvalidArgument.one(
+            "beam_width",
+            f"{engine} searches at most {caps.max_beam_width} beams, got {params.beam_width}",
+        )
     if params.adapter and not caps.lora:
         raise FailedPrecondition(
             f"adapter: {engine} has no LoRA (its engine was not started with it)",

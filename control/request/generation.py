@@ -37,6 +37,7 @@ from control.errors import (
     WorkerFailed,
 )
 from control.fleet.models import ModelEntry
+from control.request.beams import beam_responses
 from control.request.capabilities import check_adapter, check_capabilities
 from control.request.failover import DEFAULT_POLICY, Next
 from control.routing import RouteRequest
@@ -111,6 +112,8 @@ def build_worker_request(
         req.prompt_logprobs = params.prompt_logprobs
     if params.adapter:
         req.adapter = params.adapter
+    if params.beam_width > 1:
+        req.beam_width = params.beam_width
     return req
 
 
@@ -169,9 +172,10 @@ async def run_generation(
     await check_adapter(entry, params)
     prompt_ids = await prompt_ids_of(entry, params)
     max_tokens = entry.limits.bind(params, prompt_ids)
+    most = max_tokens * params.beam_width  # the tokens it may generate, all beams
     charged = 0
     if budget is not None:
-        charged = len(prompt_ids) + max_tokens
+        charged = len(prompt_ids) + most
         budget.take_tokens(charged)
 
     final = generation_pb2.Final(
@@ -195,7 +199,7 @@ async def run_generation(
         final.timing.total_ms = final.timing.queue_ms
         _record_final(entry, final)
         if budget is not None:
-            budget.give_back_tokens(max_tokens)
+            budget.give_back_tokens(most)
         yield generation_pb2.GenerateResponse(final=final)
         return
     except BaseException as e:  # overloaded, or the caller went away while queued
@@ -217,12 +221,26 @@ async def run_generation(
         if run.first_token_at is not None:
             final.timing.time_to_first_token_ms = (run.first_token_at - received_at) * 1000.0
         final.timing.total_ms = (time.perf_counter() - received_at) * 1000.0
+        if run.beams:
+            beams = beam_responses(
+                entry.tokenizer,
+                prompt_ids[-PROMPT_CONTEXT_TOKENS:],
+                params.skip_special_tokens,
+                final,
+                run.beams,
+            )
+            final.usage.completion_tokens = beams[-1].final.total_usage.completion_tokens
+            entry.metrics.generation_tokens.inc(final.usage.completion_tokens)
+            _record_final(entry, final)
+            for msg in beams:
+                yield msg
+            return
         _record_final(entry, final)
         yield generation_pb2.GenerateResponse(final=final)
     finally:
         entry.admission.release()
         if budget is not None:  # what it did not generate, however it ended
-            budget.give_back_tokens(max_tokens - (len(run.generated) if run else 0))
+            budget.give_back_tokens(most - (run.generated_total() if run else 0))
 
 
 def _record_final(entry: ModelEntry, final: generation_pb2.Final) -> None:
@@ -263,6 +281,7 @@ class _Run:
         self.deadline = deadline
         self.final = final
         self.generated: list[int] = []
+        self.beams: list[worker_pb2.Beam] = []  # beam search: the worker's, at the end
         self.attempts = 0
         self.engine_errors = 0
         self.failover = DEFAULT_POLICY
@@ -340,6 +359,10 @@ class _Run:
         self.final.usage.completion_tokens = len(self.generated)
         if self.final.stop_string:
             self.final.finish_reason = FinishReason.FINISH_REASON_STOP
+
+    def generated_total(self) -> int:
+        """Tokens generated for the caller: the stream's, or every beam's."""
+        return sum(len(b.token_ids) for b in self.beams) if self.beams else len(self.generated)
 
     def _ended_by_last_token(self) -> bool:
         """Whether the tokens so far already end the request (the worker that made them
@@ -501,6 +524,9 @@ class _Run:
         # After a resume the worker's prompt includes generated tokens; cap at the prompt.
         f.usage.cached_prompt_tokens = min(wf.usage.cached_prompt_tokens, len(self.prompt_ids))
         self.worker_queue_ms += wf.queue_ms
+        if wf.beams:
+            self.beams = list(wf.beams)
+            self.first_token_at = time.perf_counter()  # the answer's tokens, all at once
         which = wf.WhichOneof("stop_reason")
         if which == "eos_token_id":
             f.eos_token_id = wf.eos_token_id

@@ -29,6 +29,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_REQUEST_ID = 128
 MAX_SAMPLES = 16  # n: samples of one prompt, fanned out by the control plane
+MAX_BEAM_WIDTH = 16  # beams of one beam search (the engine's own limit may be lower)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,7 @@ class GenerationParams:
     prompt_logprobs: int | None = None  # top-n for each prompt token, in the first chunk
     n: int = 1  # samples of this prompt
     adapter: str = ""  # the LoRA adapter's name; "" for the base model
+    beam_width: int = 1  # beam search with this many beams when > 1
 
     @property
     def prompt_field(self) -> str:
@@ -213,6 +215,10 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
     if req.adapter and not ADAPTER_NAME.fullmatch(req.adapter):
         v.append(FieldViolation("adapter", ADAPTER_NAME_RULE))
 
+    beam_width = req.beam_width or 1
+    if beam_width > 1:
+        _check_beam(req, sampling, beam_width, v)
+
     request_id = req.request_id
     if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
         v.append(FieldViolation("request_id", f"at most {MAX_REQUEST_ID} printable characters"))
@@ -240,7 +246,42 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
         prompt_logprobs=prompt_logprobs,
         n=n,
         adapter=req.adapter,
+        beam_width=beam_width,
     )
+
+
+def _check_beam(
+    req: generation_pb2.GenerateRequest,
+    sampling: Sampling,
+    beam_width: int,
+    v: list[FieldViolation],
+) -> None:
+    """What beam search does not take, the same on every engine: it ranks beams by the
+    model's own log probabilities and ends a beam at the EOS only."""
+    if beam_width > MAX_BEAM_WIDTH:
+        v.append(FieldViolation("beam_width", f"at most {MAX_BEAM_WIDTH} beams, got {beam_width}"))
+    why = "not with beam search (beam_width > 1)"
+    for name in Sampling.__slots__:
+        value = getattr(sampling, name)
+        if value is not None and not (name == "temperature" and value == 0):
+            v.append(
+                FieldViolation(
+                    f"sampling.{name}",
+                    f"{why}: it ranks beams by the model's own log probabilities",
+                )
+            )
+    st, out = req.stopping, req.output
+    if req.n > 1:
+        v.append(FieldViolation("n", f"{why}: the beams are the answer's choices"))
+    taken = [
+        (f"constraint.{req.constraint.WhichOneof('kind')}", req.HasField("constraint")),
+        ("output.logprobs", out.HasField("logprobs")),
+        ("output.prompt_logprobs", out.HasField("prompt_logprobs")),
+        ("stopping.stop", bool(st.stop)),
+        ("stopping.stop_token_ids", bool(st.stop_token_ids)),
+        ("stopping.min_tokens", st.min_tokens > 0),
+    ]
+    v.extend(FieldViolation(field, why) for field, present in taken if present)
 
 
 def _parse_messages(

@@ -71,6 +71,7 @@ class Capabilities:
     lora: bool = False
     max_loras: int = 0
     max_lora_rank: int = 0
+    max_beam_width: int = 0
 
     @classmethod
     def of(cls, msg: Any) -> Capabilities:
@@ -83,6 +84,7 @@ class Capabilities:
             lora=msg.lora,
             max_loras=msg.max_loras,
             max_lora_rank=msg.max_lora_rank,
+            max_beam_width=msg.max_beam_width if msg.beam_search else 0,
         )
 
     def to_proto(self) -> common_pb2.Capabilities:
@@ -95,6 +97,7 @@ class Capabilities:
             lora=self.lora,
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
+            max_beam_width=self.max_beam_width,
         )
 
 

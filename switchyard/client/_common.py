@@ -132,12 +132,14 @@ def generate_request(
     choice: Sequence[str] | None = None,
     grammar: str | None = None,
     adapter: str = "",
+    beam_width: int = 0,
 ) -> generation_pb2.GenerateRequest:
     """A `GenerateRequest`: `prompt` is text, token ids, or a conversation
     (`[{"role": "user", "content": "Hi"}]`, rendered by the model's chat template on the
     server). Structured output: at most one of `json_schema` (a dict or JSON text),
     `json_object`, `regex`, `choice`, `grammar`. `adapter` names a LoRA adapter loaded
-    on the model (`load_adapter`). Unset values take the server's defaults.
+    on the model (`load_adapter`). `beam_width` > 1 asks for beam search: the beams come
+    back as the choices, best first. Unset values take the server's defaults.
     The request id is fixed here, so that retries keep it."""
     sampling = common_pb2.SamplingParams()
     values = locals()
@@ -169,6 +171,7 @@ def generate_request(
         priority=priority,
         n=n,
         adapter=adapter,
+        beam_width=beam_width,
     )
     _constrain(req, json_schema, json_object, regex, choice, grammar)
     if isinstance(prompt, str):

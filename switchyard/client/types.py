@@ -61,6 +61,7 @@ class Final:
     index: int = 0  # which sample this ends (n > 1)
     total_usage: Usage | None = None  # the last Final of n > 1: all samples, prompt once
     adapter: str = ""  # the LoRA adapter that served it
+    cumulative_logprob: float | None = None  # beam search: the beam's total log probability
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +71,7 @@ class Completion:
     final: Final
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
-    choices: tuple[Choice, ...] = ()  # n > 1: every sample, in index order
+    choices: tuple[Choice, ...] = ()  # n > 1 or beams: every one, in index order
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +138,7 @@ def final_of(msg: Any) -> Final:
         index=msg.index,
         total_usage=_usage(msg.total_usage) if msg.HasField("total_usage") else None,
         adapter=msg.adapter,
+        cumulative_logprob=(msg.cumulative_logprob if msg.HasField("cumulative_logprob") else None),
     )
 
 

@@ -52,6 +52,9 @@ def test_list_models_shows_what_each_engine_can_do(plane: Proc) -> None:
         "choice", "grammar", "json_object", "json_schema", "regex",
     ]  # fmt: skip
     assert not caps["sim"].structured_output
+    # vLLM's beam search asks 2 x width log probabilities a step, within max_logprobs.
+    assert caps["tiny"].beam_search and caps["tiny"].max_beam_width == 10
+    assert not caps["sim"].beam_search and caps["sim"].max_beam_width == 0
 
 
 def test_structured_output_on_an_engine_without_it_is_refused_first(plane: Proc) -> None:
