@@ -54,6 +54,9 @@ struct GenRequest {
   std::int32_t priority = 0;
   std::optional<Guide> guide;
   std::optional<AdapterId> adapter;  // a LoRA adapter loaded with load_adapter()
+  // Beam search with this many beams when > 1 (engines whose info says max_beam_width);
+  // then the request is not streamed and its final response carries `beams`.
+  std::int32_t beam_width = 1;
 };
 
 enum class FinishReason : std::uint8_t {
@@ -63,6 +66,13 @@ enum class FinishReason : std::uint8_t {
   kLength,
   kTimedOut,
   kCancelled,
+};
+
+// One beam of a finished beam search.
+struct BeamResult {
+  Tokens tokens;
+  float cumulative_logprob = 0;
+  FinishReason finish = FinishReason::kLength;  // kEndId or kLength
 };
 
 const char* to_string(FinishReason r);
@@ -78,6 +88,7 @@ struct GenResponse {
   std::int32_t prompt_tokens = 0;
   std::int32_t cached_prompt_tokens = 0;
   double queue_ms = 0;          // enqueue until first scheduled, when known
+  std::vector<BeamResult> beams;  // beam search: every beam, on the final response
 };
 
 struct IterationStats {
@@ -118,6 +129,7 @@ struct EngineInfo {
   std::int32_t max_loras = 0;
   std::int32_t max_lora_rank = 0;
   std::int32_t max_adapters = 0;
+  std::int32_t max_beam_width = 0;  // beam search up to this many beams (0 or 1: none)
 };
 
 // Memory on the GPUs an executor uses, at the time of the call; zeros without GPUs.

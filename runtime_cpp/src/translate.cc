@@ -72,6 +72,41 @@ std::string choice_regex(const google::protobuf::RepeatedPtrField<std::string>& 
   return out + ")";
 }
 
+namespace {
+
+// Beam search ranks beams by the model's own log probabilities and ends a beam at the
+// EOS: what else a request asks for is refused, the same as on the vLLM worker.
+bool to_beam_search(const wv1::GenerateRequest& in, const EngineInfo& info, GenRequest* out,
+                    FieldError* error) {
+  const auto width = in.beam_width();
+  if (info.max_beam_width < 2) return bad(error, "beam_width", "this engine has no beam search");
+  if (width > static_cast<std::uint32_t>(info.max_beam_width)) {
+    return bad(error, "beam_width",
+               "this engine searches at most " + std::to_string(info.max_beam_width) +
+                   " beams, got " + std::to_string(width));
+  }
+  const auto& s = in.sampling();
+  const char* why = "not with beam search (beam_width > 1)";
+  if (s.has_top_p()) return bad(error, "sampling.top_p", why);
+  if (s.has_top_k()) return bad(error, "sampling.top_k", why);
+  if (s.has_min_p()) return bad(error, "sampling.min_p", why);
+  if (s.has_repetition_penalty()) return bad(error, "sampling.repetition_penalty", why);
+  if (s.has_presence_penalty()) return bad(error, "sampling.presence_penalty", why);
+  if (s.has_frequency_penalty()) return bad(error, "sampling.frequency_penalty", why);
+  if (s.has_seed()) return bad(error, "sampling.seed", why);
+  if (in.stop_token_ids_size() > 0) return bad(error, "stop_token_ids", why);
+  if (in.min_tokens() > 0) return bad(error, "min_tokens", why);
+  if (in.has_logprobs()) return bad(error, "logprobs", why);
+  if (in.has_constraint()) return bad(error, "constraint", why);
+  out->beam_width = static_cast<std::int32_t>(width);
+  out->streaming = false;       // the beams change until the search ends
+  out->return_logprobs = true;  // for each beam's cumulative log probability
+  out->sampling.temperature.reset();  // greedy scoring: the model's own log probabilities
+  return true;
+}
+
+}  // namespace
+
 bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, double deadline_ms,
                     GenRequest* out, FieldError* error) {
   const auto n = in.prompt_token_ids_size();
@@ -183,6 +218,8 @@ bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, doub
   if (deadline_ms >= 0) {
     out->allotted_time = std::chrono::milliseconds(static_cast<std::int64_t>(deadline_ms));
   }
+  out->beam_width = 1;
+  if (in.beam_width() > 1) return to_beam_search(in, info, out, error);
   return true;
 }
 
@@ -221,9 +258,40 @@ void append_chunk(const GenResponse& r, wv1::Chunk* chunk) {
   return W::FINISH_REASON_ERROR;
 }
 
+namespace {
+
+// A finished beam search's beams; an EOS that ended a beam is put back, as a sample has it.
+std::int32_t fill_beams(const GenResponse& r, const std::vector<TokenId>& eos_ids,
+                        wv1::Final* out) {
+  std::int32_t total = 0;
+  for (const BeamResult& b : r.beams) {
+    auto* beam = out->add_beams();
+    for (TokenId t : b.tokens) beam->add_token_ids(static_cast<std::uint32_t>(t));
+    const bool at_eos = b.finish == FinishReason::kEndId && !eos_ids.empty();
+    if (at_eos) {
+      const TokenId eos = eos_ids.front();
+      if (b.tokens.empty() || b.tokens.back() != eos) {
+        beam->add_token_ids(static_cast<std::uint32_t>(eos));
+      }
+      beam->set_eos_token_id(static_cast<std::uint32_t>(eos));
+    }
+    beam->set_finish_reason(at_eos ? ::switchyard::v1::FINISH_REASON_STOP
+                                   : ::switchyard::v1::FINISH_REASON_LENGTH);
+    beam->set_cumulative_logprob(b.cumulative_logprob);
+    total += beam->token_ids_size();
+  }
+  return total;
+}
+
+}  // namespace
+
 void fill_final(const GenResponse& r, std::int32_t completion_tokens,
                 std::optional<TokenId> last_token, const std::vector<TokenId>& eos_ids,
                 wv1::Final* out) {
+  if (!r.beams.empty() && r.error.empty()) {
+    completion_tokens = fill_beams(r, eos_ids, out);
+    last_token.reset();
+  }
   if (!r.error.empty()) {
     out->set_finish_reason(::switchyard::v1::FINISH_REASON_ERROR);
     out->set_error_message(r.error);

@@ -33,7 +33,8 @@ tle::ExecutorConfig executor_config(const TrtllmOptions& o) {
   kv.setFreeGpuMemoryFraction(o.free_gpu_memory_fraction);
   if (o.max_tokens_in_kv_cache) kv.setMaxTokens(*o.max_tokens_in_kv_cache);
   tle::ExecutorConfig config;
-  config.setMaxBeamWidth(1);  // sampling, never beam search
+  // Beam search up to the width the engine was built for (1: sampling only).
+  config.setMaxBeamWidth(std::max(1, e.config.max_beam_width));
   config.setMaxBatchSize(e.max_batch_size);
   if (e.config.max_num_tokens > 0) config.setMaxNumTokens(e.config.max_num_tokens);
   config.setSchedulerConfig(scheduler_config(o.scheduler_policy));
@@ -69,8 +70,14 @@ tle::ExecutorConfig executor_config(const TrtllmOptions& o) {
   return config;
 }
 
-tle::SamplingConfig sampling_config(const SamplingOptions& s) {
-  tle::SamplingConfig c(1);  // beam width 1: sampling, not beam search
+tle::SamplingConfig sampling_config(const SamplingOptions& s, std::int32_t beam_width) {
+  tle::SamplingConfig c(std::max(1, beam_width));
+  if (beam_width > 1) {
+    // Beams ranked by log probability per generated token, as the control plane ranks
+    // them; nothing else of sampling applies (to_gen_request refused it).
+    c.setLengthPenalty(1.f);
+    return c;
+  }
   // Named setters, not the long positional constructor whose order moved between releases.
   if (s.temperature) c.setTemperature(*s.temperature);
   if (s.top_k) c.setTopK(*s.top_k);
@@ -202,7 +209,7 @@ RequestId TrtllmExecutor::enqueue(const GenRequest& r) {
   output.excludeInputFromOutput = true;
   output.returnPerfMetrics = true;  // for the queue time
   tle::Request request(tle::VecTokens(r.prompt.begin(), r.prompt.end()), r.max_tokens,
-                       r.streaming, sampling_config(r.sampling), output);
+                       r.streaming, sampling_config(r.sampling, r.beam_width), output);
   if (r.end_id) {
     request.setEndId(*r.end_id);
   } else {
@@ -231,6 +238,7 @@ RequestId TrtllmExecutor::enqueue(const GenRequest& r) {
   if (r.adapter) loras_->sent(*r.adapter);  // enqueued with its weights (or after them)
   std::lock_guard<std::mutex> lock(prompt_mu_);
   prompt_tokens_[id] = static_cast<std::int32_t>(r.prompt.size());
+  if (r.beam_width > 1) beam_max_tokens_[id] = r.max_tokens;
   return id;
 }
 
@@ -258,7 +266,24 @@ std::vector<GenResponse> TrtllmExecutor::await_responses(std::chrono::millisecon
         g.logprobs.assign(lp.end() - static_cast<std::ptrdiff_t>(n), lp.end());
       }
       g.is_final = result.isFinal;
-      if (result.isFinal && !result.finishReasons.empty()) {
+      if (std::optional<std::int32_t> most = beam_search_of(g.id, g.is_final)) {
+        // Beam search (not streamed): every beam on the final response. The executor
+        // gives no finish reason per beam; one shorter than max_tokens ended at the EOS.
+        g.tokens.clear();
+        g.logprobs.clear();
+        for (std::size_t b = 0; g.is_final && b < result.outputTokenIds.size(); ++b) {
+          const auto& ids = result.outputTokenIds[b];
+          BeamResult beam;
+          beam.tokens.assign(ids.begin(), ids.end());
+          if (result.cumLogProbs && b < result.cumLogProbs->size()) {
+            beam.cumulative_logprob = (*result.cumLogProbs)[b];
+          }
+          beam.finish = static_cast<std::int32_t>(ids.size()) < *most ? FinishReason::kEndId
+                                                                      : FinishReason::kLength;
+          g.beams.push_back(std::move(beam));
+        }
+        if (!g.beams.empty()) g.finish = g.beams.front().finish;
+      } else if (result.isFinal && !result.finishReasons.empty()) {
         // kEND_ID: the end id is not among outputTokenIds; the worker puts it back
         // (normalize_end_id), so stop reason and usage follow vLLM's convention.
         g.finish = from_trtllm(result.finishReasons.front());
@@ -285,6 +310,15 @@ std::vector<GenResponse> TrtllmExecutor::await_responses(std::chrono::millisecon
     out.push_back(std::move(g));
   }
   return out;
+}
+
+std::optional<std::int32_t> TrtllmExecutor::beam_search_of(RequestId id, bool final) {
+  std::lock_guard<std::mutex> lock(prompt_mu_);
+  auto it = beam_max_tokens_.find(id);
+  if (it == beam_max_tokens_.end()) return std::nullopt;
+  const std::int32_t most = it->second;
+  if (final) beam_max_tokens_.erase(it);
+  return most;
 }
 
 void TrtllmExecutor::cancel(RequestId id) {
@@ -342,6 +376,8 @@ EngineInfo TrtllmExecutor::info() const {
   i.max_loras = std::max(0, options_.max_loras);
   i.max_lora_rank = i.lora ? options_.max_lora_rank : 0;
   i.max_adapters = 0;  // the PEFT cache evicts the least recently used
+  const std::int32_t beams = options_.engine.config.max_beam_width;
+  i.max_beam_width = beams > 1 ? beams : 0;
   return i;
 }
 

@@ -64,12 +64,15 @@ class TrtllmExecutor final : public Executor {
 
  private:
   struct LoraStore;  // the adapters' weights, sent with the first request that uses each
+  // A beam search's max_tokens (forgotten with its final response); nullopt for others.
+  std::optional<std::int32_t> beam_search_of(RequestId id, bool final);
   const TrtllmOptions options_;
   std::unique_ptr<tensorrt_llm::executor::Executor> executor_;
   std::mutex stats_mu_;
   std::optional<IterationStats> stats_;
   std::mutex prompt_mu_;
   std::unordered_map<RequestId, std::int32_t> prompt_tokens_;  // until the final
+  std::unordered_map<RequestId, std::int32_t> beam_max_tokens_;  // beam searches, until the final
   std::atomic<bool> shut_down_{false};
   std::unique_ptr<LoraStore> loras_;
 };

@@ -381,6 +381,8 @@ grpc::ServerUnaryReactor* WorkerService::GetInfo(grpc::CallbackServerContext* co
   caps->set_lora(info_.lora);
   caps->set_max_loras(static_cast<std::uint32_t>(info_.max_loras));
   caps->set_max_lora_rank(static_cast<std::uint32_t>(info_.max_lora_rank));
+  caps->set_beam_search(info_.max_beam_width > 1);
+  caps->set_max_beam_width(static_cast<std::uint32_t>(info_.max_beam_width > 1 ? info_.max_beam_width : 0));
   for (const auto& a : adapters_.list()) fill_adapter(a, response->add_adapters());
   // Known only once the engine has run where the engine sizes its cache at start-up.
   std::int32_t blocks = info_.kv_blocks_total;

@@ -282,5 +282,69 @@ TEST(Translate, AConstraintTheEngineDoesNotTakeNamesTheField) {
   EXPECT_EQ(err.field, "constraint");
 }
 
+TEST(Translate, BeamSearchWhereTheEngineHasItAndOnlyWhatItTakes) {
+  auto in = valid();
+  in.set_beam_width(3);
+  GenRequest out;
+  FieldError err;
+  EXPECT_FALSE(to_gen_request(in, info(), -1, &out, &err));  // the engine has none
+  EXPECT_EQ(err.field, "beam_width");
+  EXPECT_NE(err.message.find("no beam search"), std::string::npos) << err.message;
+
+  EngineInfo beams = info();
+  beams.max_beam_width = 4;
+  in.mutable_sampling()->set_temperature(0.f);
+  ASSERT_TRUE(to_gen_request(in, beams, -1, &out, &err)) << err.field << ": " << err.message;
+  EXPECT_EQ(out.beam_width, 3);
+  EXPECT_FALSE(out.streaming);       // the beams change until the search ends
+  EXPECT_TRUE(out.return_logprobs);  // each beam's cumulative log probability
+  EXPECT_FALSE(out.sampling.temperature.has_value());
+
+  in.set_beam_width(5);
+  EXPECT_FALSE(to_gen_request(in, beams, -1, &out, &err));
+  EXPECT_EQ(err.field, "beam_width");
+  EXPECT_NE(err.message.find("at most 4"), std::string::npos) << err.message;
+
+  in.set_beam_width(2);
+  auto seeded = in;
+  seeded.mutable_sampling()->set_seed(7);
+  EXPECT_FALSE(to_gen_request(seeded, beams, -1, &out, &err));
+  EXPECT_EQ(err.field, "sampling.seed");
+  auto stopped = in;
+  stopped.add_stop_token_ids(9);
+  EXPECT_FALSE(to_gen_request(stopped, beams, -1, &out, &err));
+  EXPECT_EQ(err.field, "stop_token_ids");
+  auto scored = in;
+  scored.set_logprobs(0);
+  EXPECT_FALSE(to_gen_request(scored, beams, -1, &out, &err));
+  EXPECT_EQ(err.field, "logprobs");
+}
+
+TEST(Translate, ABeamSearchsFinalCarriesEveryBeamWithTheEosPutBack) {
+  GenResponse r;
+  r.is_final = true;
+  r.finish = FinishReason::kEndId;
+  r.prompt_tokens = 3;
+  r.beams = {{{4, 5}, -1.5f, FinishReason::kEndId}, {{6, 7, 8}, -2.f, FinishReason::kLength}};
+  wv1::Final final;
+  fill_final(r, 0, std::nullopt, {2, 3}, &final);
+  ASSERT_EQ(final.beams_size(), 2);
+  const auto& first = final.beams(0);
+  EXPECT_EQ(std::vector<std::uint32_t>(first.token_ids().begin(), first.token_ids().end()),
+            (std::vector<std::uint32_t>{4, 5, 2}));
+  EXPECT_EQ(first.finish_reason(), v1::FINISH_REASON_STOP);
+  EXPECT_TRUE(first.has_eos_token_id());
+  EXPECT_EQ(first.eos_token_id(), 2u);
+  EXPECT_FLOAT_EQ(first.cumulative_logprob(), -1.5f);
+  const auto& second = final.beams(1);
+  EXPECT_EQ(second.token_ids_size(), 3);
+  EXPECT_EQ(second.finish_reason(), v1::FINISH_REASON_LENGTH);
+  EXPECT_FALSE(second.has_eos_token_id());
+  EXPECT_EQ(final.usage().completion_tokens(), 6u);  // every beam's tokens
+  EXPECT_EQ(final.usage().prompt_tokens(), 3u);
+  EXPECT_EQ(final.finish_reason(), v1::FINISH_REASON_STOP);
+  EXPECT_EQ(final.stop_reason_case(), wv1::Final::STOP_REASON_NOT_SET);  // per beam only
+}
+
 }  // namespace
 }  // namespace switchyard::rt

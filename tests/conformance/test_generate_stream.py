@@ -299,3 +299,35 @@ def test_an_attempt_id_reused_after_its_cancel_runs_to_the_end(stub: Any) -> Non
     assert last.HasField("final") and len(ids) == 3
     session.close_and_drain()
     wait_nothing_in_flight(stub, within_s=30)
+
+
+def test_a_cancelled_beam_search_leaves_nothing_held(stub: Any, engine: str) -> None:
+    info = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
+    if not info.capabilities.beam_search:
+        pytest.skip(f"the {engine} worker declares no beam search (its refusal is tested in "
+                    "test_worker_conformance.py)")  # fmt: skip
+
+    def in_flight() -> int:
+        call = stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=10), timeout=5)
+        report = next(iter(call))
+        call.cancel()
+        return int(report.in_flight)
+
+    session = Session(stub)
+    session.start(request(max_tokens=1500, request_id=f"{engine}-beams", attempt_id=1,
+                          beam_width=2))  # fmt: skip
+    deadline = time.monotonic() + 10
+    while in_flight() == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    session.cancel(1)
+    deadline = time.monotonic() + 5
+    while in_flight() != 0:
+        assert time.monotonic() < deadline, "the cancelled search is still held"
+        time.sleep(0.01)
+    # The stream goes on: a short request on it after the cancel runs to its end.
+    session.start(request(max_tokens=4, request_id=f"{engine}-after", attempt_id=2))
+    got, last = session.wait(2)
+    assert len(got) == 4 and last.final.finish_reason == FR.FINISH_REASON_LENGTH
+    assert not session.ended[1].is_set()  # nothing was sent for the cancelled search
+    session.close_and_drain()

@@ -322,6 +322,70 @@ def test_adapters_where_declared_and_refused_elsewhere(
     assert [v.field for v in read_details(e.value.trailing_metadata()).violations] == ["adapter"]
 
 
+def _in_flight(stub: Any) -> int:
+    call = stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=10), timeout=5)
+    report = next(iter(call))
+    call.cancel()
+    return int(report.in_flight)
+
+
+def test_beam_search_where_declared_and_refused_elsewhere(stub: Any, engine: str) -> None:
+    caps = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5).capabilities
+    assert caps.beam_search == (engine == "vllm")
+    req = request(max_tokens=5, request_id=f"beams-{engine}", beam_width=3)
+    if not caps.beam_search:
+        assert caps.max_beam_width == 0
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(req, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "beam_width" in (e.value.details() or "")
+        return
+    assert caps.max_beam_width >= 3
+    chunks, final = generate(stub, req)
+    assert not chunks, "the beams come in the final"
+    assert len(final.beams) == 3
+    assert len({tuple(b.token_ids) for b in final.beams}) == 3
+    assert all(len(b.token_ids) == 5 and b.cumulative_logprob < 0 for b in final.beams)
+    assert all(b.finish_reason == FR.FINISH_REASON_LENGTH for b in final.beams)
+    assert final.usage.completion_tokens == 15
+    assert final.usage.prompt_tokens == len(PROMPT)
+    # Over GenerateStream (the control plane's path): the same beams.
+    streamed = request(max_tokens=5, beam_width=3, attempt_id=1)
+    call = stub.GenerateStream(iter([worker_pb2.StreamRequest(start=[streamed])]), timeout=60)
+    events = [e for msg in call for e in msg.events]
+    assert [e.WhichOneof("event") for e in events] == ["final"]
+    assert [list(b.token_ids) for b in events[0].final.beams] == [
+        list(b.token_ids) for b in final.beams
+    ]
+    # What the search does not take is refused, naming the field.
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request(max_tokens=5, beam_width=2, min_tokens=2), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "min_tokens" in (e.value.details() or "")
+    # An Abort ends a long search with CANCELLED, and nothing is left held.
+    rid = "abort-the-beams"
+    result: dict[str, Any] = {}
+
+    def consume() -> None:
+        long = request(max_tokens=1500, request_id=rid, beam_width=2)
+        result["out"] = generate(stub, long, timeout=120)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    deadline = time.monotonic() + 10
+    while _in_flight(stub) == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    aborted = stub.Abort(worker_pb2.AbortRequest(request_ids=[rid]), timeout=5)
+    t.join(60)
+    assert aborted.aborted == 1
+    assert result["out"][1].finish_reason == FR.FINISH_REASON_CANCELLED
+    deadline = time.monotonic() + 5
+    while _in_flight(stub) != 0:
+        assert time.monotonic() < deadline, "the aborted search is still held"
+        time.sleep(0.01)
+
+
 def test_logprobs_beyond_the_declared_limit_are_refused(stub: Any, engine: str) -> None:
     limit = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5).capabilities.max_logprobs
     req = worker_pb2.GenerateRequest(
