@@ -58,6 +58,7 @@ def add_commands(sub: Any) -> None:
     so.add_argument("--choice", action="append", help="one of these strings (repeat it)")
     so.add_argument("--grammar", metavar="FILE", help="an EBNF or Lark grammar file")
     gen.add_argument("--adapter", default="", help="a LoRA adapter loaded on the model")
+    gen.add_argument("--beam-width", type=int, help="beam search with this many beams")
 
     sub.add_parser("generate", parents=[gen, conn], help="stream a generation to the terminal")
     sub.add_parser("complete", parents=[gen, conn], help="print a whole generation at once")
@@ -134,6 +135,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         opts["json_object"] = True
     if args.adapter:
         opts["adapter"] = args.adapter
+    if args.beam_width is not None:
+        opts["beam_width"] = args.beam_width
     for name in ("json_schema", "grammar"):  # files
         if getattr(args, name) is not None:
             opts[name] = Path(getattr(args, name)).read_text()
@@ -155,7 +158,11 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
     with client.generate(
         args.model, args.prompt, traceparent=args.traceparent, **_options(args)
     ) as stream:
+        index = 0
         for chunk in stream:
+            if chunk.index != index:  # the next beam (beam search)
+                index = chunk.index
+                sys.stdout.write(f"\n[{index}] ")
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
     if stream.final is not None:
@@ -165,7 +172,11 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
 
 def _complete(client: Client, args: argparse.Namespace) -> int:
     out = client.complete(args.model, args.prompt, traceparent=args.traceparent, **_options(args))
-    print(out.text)
+    if not out.choices:
+        print(out.text)
+    for c in out.choices:  # every beam, best first
+        score = c.final.cumulative_logprob
+        print(f"[{c.index}]" + (f" ({score:.3f})" if score is not None else "") + f" {c.text}")
     print(_summary(out.final), file=sys.stderr)
     return 0
 

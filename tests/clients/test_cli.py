@@ -72,7 +72,11 @@ def test_errors_name_the_status_and_the_field(plane: Proc) -> None:
     out = cli(plane, "complete", "--model", "sim", "--regex", "[a-z]+", "Hi")
     assert out.returncode == 1
     assert "FAILED_PRECONDITION" in out.stderr and "constraint.regex" in out.stderr
-    # ... one kind at a time.
+    # ... and so does beam search, refused before any worker on an engine without it ...
+    out = cli(plane, "complete", "--model", "sim", "--beam-width", "2", "Hi")
+    assert out.returncode == 1 and "FAILED_PRECONDITION" in out.stderr, out.stderr
+    assert "beam_width: " in out.stderr and "has no beam search" in out.stderr, out.stderr
+    # ... one structured-output kind at a time.
     out = cli(plane, "complete", "--model", "sim", "--regex", "a", "--choice", "b", "Hi")
     assert out.returncode == 1 and "not regex, choice" in out.stderr, out.stderr
 

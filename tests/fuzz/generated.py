@@ -116,7 +116,7 @@ def constraints(draw: st.DrawFn) -> common_pb2.OutputConstraint:
 
 def _mutations(r: generation_pb2.GenerateRequest, draw: st.DrawFn) -> None:
     """Set one field to something wild."""
-    which = draw(st.integers(0, 15))
+    which = draw(st.integers(0, 16))
     if which == 0:
         r.model = draw(st.sampled_from(["", "no-such-model", "x" * 300]))
     elif which == 1:
@@ -152,6 +152,8 @@ def _mutations(r: generation_pb2.GenerateRequest, draw: st.DrawFn) -> None:
         r.n = draw(st.one_of(st.integers(0, 20), st.just(2**32 - 1)))
     elif which == 14:  # a LoRA adapter: none is loaded, or the name is not one
         r.adapter = draw(st.one_of(st.sampled_from(["tenant-a", "x" * 65, "a b"]), st.text()))
+    elif which == 15:  # beam search, often with what it does not take
+        r.beam_width = draw(st.one_of(st.integers(0, 20), st.just(2**32 - 1)))
     else:
         r.request_id = draw(st.text(min_size=100, max_size=300))
 
