@@ -79,6 +79,7 @@ ENGINE_ARG_KEYS: dict[str, frozenset[str]] = {
             "eos_id",
             "max_loras",
             "max_lora_rank",
+            "max_beam_width",
         }
     ),
 }
@@ -94,6 +95,7 @@ _POSITIVE_INT_ARGS = frozenset(
         "max_batch",
         "max_batch_size",
         "max_tokens_in_kv_cache",
+        "max_beam_width",
     }
 )
 

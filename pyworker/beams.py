@@ -15,6 +15,8 @@ from switchyard.worker.v1 import worker_pb2
 
 from pyworker.errors import EngineFailure
 
+MAX_BEAM_WIDTH = 16  # as the control plane takes
+
 
 def _mixin() -> Any:
     try:
@@ -30,7 +32,9 @@ def max_beam_width(max_logprobs: int, has_tokenizer: bool) -> int:
     tokenizer (it reads the EOS from the tokenizer)."""
     if not has_tokenizer or _mixin() is None:
         return 0
-    width = max_logprobs // 2
+    if max_logprobs < 0:  # vLLM's -1: no cap on log probabilities
+        return MAX_BEAM_WIDTH
+    width = min(max_logprobs // 2, MAX_BEAM_WIDTH)
     return width if width >= 2 else 0
 
 
@@ -50,7 +54,13 @@ def _searcher(llm: Any) -> Any:
 
 
 async def search(
-    llm: Any, prompt: Any, request_id: str, width: int, sampling: Any, lora_request: Any
+    llm: Any,
+    prompt: Any,
+    request_id: str,
+    width: int,
+    sampling: Any,
+    lora_request: Any,
+    trace_headers: Any = None,
 ) -> Any:
     """Run the search (`sampling`: the request's vLLM SamplingParams, for max_tokens,
     ignore_eos and temperature); a worker Final with every beam (usage and timing left
@@ -65,7 +75,7 @@ async def search(
     )
     result: Any = None
     async for out in _searcher(llm).beam_search(
-        prompt, request_id, params, lora_request=lora_request
+        prompt, request_id, params, lora_request=lora_request, trace_headers=trace_headers
     ):
         result = out
     if result is None:

@@ -296,6 +296,7 @@ class Generations:
                 parsed.beam_width,
                 parsed.sampling_params,
                 parsed.lora_request,
+                self._engine.trace_headers(parsed.trace_headers),
             )
         )
         state.on_abort = task.cancel
@@ -304,10 +305,12 @@ class Generations:
         try:
             async with asyncio.timeout_at(when):
                 final = await task
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             current = asyncio.current_task()
-            if not state.aborted or (current is not None and current.cancelling()):
+            if current is not None and current.cancelling():
                 raise  # the caller went away: nothing to answer
+            if not state.aborted:  # the search's own task, cancelled by neither
+                raise EngineFailure("the beam search was cancelled in the engine") from exc
             final = worker_pb2.Final(finish_reason=common_pb2.FINISH_REASON_CANCELLED)
         except (TimeoutError, WorkerError):
             raise

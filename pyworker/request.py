@@ -115,6 +115,7 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
     beam_width = int(request.beam_width) or 1
     if beam_width > 1:
         _check_beam(request, beam_width, info, violations)
+        sampling_kwargs["temperature"] = 0.0  # SamplingParams would take 1.0
     if violations:
         raise InvalidArgument(violations)
 
@@ -166,6 +167,8 @@ def _check_beam(request: Any, width: int, info: EngineInfo, out: list[FieldViola
         )
     s = request.sampling
     others = [f.name for f, _ in s.ListFields() if f.name != "temperature"]
+    if s.HasField("temperature") and s.temperature != 0:
+        others.insert(0, "temperature")  # it ranks by the model's own log probabilities
     asked = [
         *(f"sampling.{name}" for name in others),
         *(["stop_token_ids"] if request.stop_token_ids else []),

@@ -116,7 +116,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
                     async for resp in gen:
                         if resp.HasField("final"):
                             finals -= 1
-                            finished = finals == 0
+                            f = resp.final
+                            if f.HasField("cumulative_logprob"):  # a beam: the last has
+                                finished = f.HasField("total_usage")  # every beam's usage
+                            else:
+                                finished = finals == 0
                         yield resp
             except SwitchyardError as e:
                 code = status_code(e).name

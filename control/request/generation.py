@@ -309,7 +309,7 @@ class _Run:
                 break
             route = RouteRequest(
                 prompt_ids=self.prompt_ids,
-                max_tokens=remaining_tokens,
+                max_tokens=remaining_tokens * self.params.beam_width,  # every beam's
                 kv_block_size=self.entry.info.kv_block_size or 16,
             )
             span = tracer.start_span(
@@ -423,7 +423,8 @@ class _Run:
         wreq.traceparent = headers.get("traceparent", "")
         wreq.tracestate = headers.get("tracestate", "")
         generated_before = len(self.generated)
-        call = worker.generate(wreq, timeout, cost_tokens=len(context) + remaining_tokens)
+        cost = len(context) + remaining_tokens * p.beam_width
+        call = worker.generate(wreq, timeout, cost_tokens=cost)
         try:
             async with call as events:
                 async for resp in events:

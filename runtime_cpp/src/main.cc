@@ -188,6 +188,7 @@ std::unique_ptr<Executor> make_executor(const Args& a) {
     o.worker_executable = a.get("executor-worker", SWITCHYARD_TRTLLM_EXECUTOR_WORKER);
     o.max_loras = static_cast<int>(a.num("max-loras", 0));  // LoRA off unless asked for
     o.max_lora_rank = static_cast<int>(a.num("max-lora-rank", o.max_lora_rank));
+    o.max_beam_width = static_cast<int>(a.num("max-beam-width", 1));  // off unless asked for
     if (a.kv.count("tokenizer") && a.num("structured-output", 1) != 0) {
       const std::filesystem::path dir = a.get("tokenizer", "");
       if (std::filesystem::exists(dir / "tokenizer.json")) {

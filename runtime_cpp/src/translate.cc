@@ -87,6 +87,10 @@ bool to_beam_search(const wv1::GenerateRequest& in, const EngineInfo& info, GenR
   }
   const auto& s = in.sampling();
   const char* why = "not with beam search (beam_width > 1)";
+  if (s.has_temperature() && s.temperature() != 0.f) {
+    return bad(error, "sampling.temperature", std::string(why) + "; it ranks beams by the "
+               "model's own log probabilities (temperature 0)");
+  }
   if (s.has_top_p()) return bad(error, "sampling.top_p", why);
   if (s.has_top_k()) return bad(error, "sampling.top_k", why);
   if (s.has_min_p()) return bad(error, "sampling.min_p", why);
@@ -226,6 +230,7 @@ bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, doub
 void normalize_end_id(GenResponse* r, std::optional<TokenId> end_id,
                       std::optional<TokenId> last_streamed) {
   if (!r->is_final || r->finish != FinishReason::kEndId || !end_id || !r->error.empty()) return;
+  if (!r->beams.empty()) return;  // a beam search: fill_beams puts each beam's EOS back
   const std::optional<TokenId> last = r->tokens.empty() ? last_streamed
                                                         : std::optional<TokenId>(r->tokens.back());
   // The end id stops generation the moment it is sampled, so an output that already ends
@@ -264,15 +269,18 @@ namespace {
 std::int32_t fill_beams(const GenResponse& r, const std::vector<TokenId>& eos_ids,
                         wv1::Final* out) {
   std::int32_t total = 0;
+  auto is_eos = [&](TokenId t) {
+    return std::find(eos_ids.begin(), eos_ids.end(), t) != eos_ids.end();
+  };
   for (const BeamResult& b : r.beams) {
     auto* beam = out->add_beams();
     for (TokenId t : b.tokens) beam->add_token_ids(static_cast<std::uint32_t>(t));
-    const bool at_eos = b.finish == FinishReason::kEndId && !eos_ids.empty();
+    // An extra EOS id (a stop word) is among the beam's tokens; the end id is not.
+    const bool ends_in_eos = !b.tokens.empty() && is_eos(b.tokens.back());
+    const bool at_eos = b.finish == FinishReason::kEndId && (ends_in_eos || !eos_ids.empty());
     if (at_eos) {
-      const TokenId eos = eos_ids.front();
-      if (b.tokens.empty() || b.tokens.back() != eos) {
-        beam->add_token_ids(static_cast<std::uint32_t>(eos));
-      }
+      const TokenId eos = ends_in_eos ? b.tokens.back() : eos_ids.front();
+      if (!ends_in_eos) beam->add_token_ids(static_cast<std::uint32_t>(eos));
       beam->set_eos_token_id(static_cast<std::uint32_t>(eos));
     }
     beam->set_finish_reason(at_eos ? ::switchyard::v1::FINISH_REASON_STOP
@@ -288,10 +296,8 @@ std::int32_t fill_beams(const GenResponse& r, const std::vector<TokenId>& eos_id
 void fill_final(const GenResponse& r, std::int32_t completion_tokens,
                 std::optional<TokenId> last_token, const std::vector<TokenId>& eos_ids,
                 wv1::Final* out) {
-  if (!r.beams.empty() && r.error.empty()) {
-    completion_tokens = fill_beams(r, eos_ids, out);
-    last_token.reset();
-  }
+  const bool beams = !r.beams.empty() && r.error.empty();
+  if (beams) completion_tokens = fill_beams(r, eos_ids, out);
   if (!r.error.empty()) {
     out->set_finish_reason(::switchyard::v1::FINISH_REASON_ERROR);
     out->set_error_message(r.error);
@@ -299,6 +305,7 @@ void fill_final(const GenResponse& r, std::int32_t completion_tokens,
     out->set_finish_reason(to_wire(r.finish));
   }
   if (!r.tokens.empty()) last_token = r.tokens.back();
+  if (beams) last_token.reset();  // each beam has its own stop reason
   if (last_token && (r.finish == FinishReason::kEndId || r.finish == FinishReason::kStopWords)) {
     const bool is_eos =
         std::find(eos_ids.begin(), eos_ids.end(), *last_token) != eos_ids.end();

@@ -33,8 +33,14 @@ tle::ExecutorConfig executor_config(const TrtllmOptions& o) {
   kv.setFreeGpuMemoryFraction(o.free_gpu_memory_fraction);
   if (o.max_tokens_in_kv_cache) kv.setMaxTokens(*o.max_tokens_in_kv_cache);
   tle::ExecutorConfig config;
-  // Beam search up to the width the engine was built for (1: sampling only).
-  config.setMaxBeamWidth(std::max(1, e.config.max_beam_width));
+  // Beam search only when asked for (max_beam_width), up to the width the engine was built
+  // for: the executor sizes its buffers by it, for every request.
+  if (o.max_beam_width > std::max(1, e.config.max_beam_width)) {
+    throw std::invalid_argument("max_beam_width: the engine was built for at most " +
+                                std::to_string(std::max(1, e.config.max_beam_width)) +
+                                " beams, got " + std::to_string(o.max_beam_width));
+  }
+  config.setMaxBeamWidth(std::max(1, o.max_beam_width));
   config.setMaxBatchSize(e.max_batch_size);
   if (e.config.max_num_tokens > 0) config.setMaxNumTokens(e.config.max_num_tokens);
   config.setSchedulerConfig(scheduler_config(o.scheduler_policy));
@@ -238,7 +244,7 @@ RequestId TrtllmExecutor::enqueue(const GenRequest& r) {
   if (r.adapter) loras_->sent(*r.adapter);  // enqueued with its weights (or after them)
   std::lock_guard<std::mutex> lock(prompt_mu_);
   prompt_tokens_[id] = static_cast<std::int32_t>(r.prompt.size());
-  if (r.beam_width > 1) beam_max_tokens_[id] = r.max_tokens;
+  if (r.beam_width > 1) beam_searches_[id] = BeamSearch{r.max_tokens, r.end_id.has_value()};
   return id;
 }
 
@@ -266,11 +272,18 @@ std::vector<GenResponse> TrtllmExecutor::await_responses(std::chrono::millisecon
         g.logprobs.assign(lp.end() - static_cast<std::ptrdiff_t>(n), lp.end());
       }
       g.is_final = result.isFinal;
-      if (std::optional<std::int32_t> most = beam_search_of(g.id, g.is_final)) {
+      if (std::optional<BeamSearch> search = beam_search_of(g.id, g.is_final)) {
         // Beam search (not streamed): every beam on the final response. The executor
-        // gives no finish reason per beam; one shorter than max_tokens ended at the EOS.
+        // gives no finish reason per beam: one shorter than max_tokens, of a request that
+        // stops at the EOS, ended there. A request that timed out or was cancelled says so.
         g.tokens.clear();
         g.logprobs.clear();
+        FinishReason ended = FinishReason::kNotFinished;
+        for (tle::FinishReason f : result.finishReasons) {
+          if (f == tle::FinishReason::kTIMED_OUT || f == tle::FinishReason::kCANCELLED) {
+            ended = from_trtllm(f);
+          }
+        }
         for (std::size_t b = 0; g.is_final && b < result.outputTokenIds.size(); ++b) {
           const auto& ids = result.outputTokenIds[b];
           BeamResult beam;
@@ -278,11 +291,18 @@ std::vector<GenResponse> TrtllmExecutor::await_responses(std::chrono::millisecon
           if (result.cumLogProbs && b < result.cumLogProbs->size()) {
             beam.cumulative_logprob = (*result.cumLogProbs)[b];
           }
-          beam.finish = static_cast<std::int32_t>(ids.size()) < *most ? FinishReason::kEndId
-                                                                      : FinishReason::kLength;
+          const bool short_of = static_cast<std::int32_t>(ids.size()) < search->max_tokens;
+          beam.finish = search->end_id && short_of && ended == FinishReason::kNotFinished
+                            ? FinishReason::kEndId
+                            : FinishReason::kLength;
           g.beams.push_back(std::move(beam));
         }
-        if (!g.beams.empty()) g.finish = g.beams.front().finish;
+        if (ended != FinishReason::kNotFinished) {
+          g.finish = ended;
+          g.beams.clear();  // cut short: not the search's answer
+        } else if (!g.beams.empty()) {
+          g.finish = g.beams.front().finish;
+        }
       } else if (result.isFinal && !result.finishReasons.empty()) {
         // kEND_ID: the end id is not among outputTokenIds; the worker puts it back
         // (normalize_end_id), so stop reason and usage follow vLLM's convention.
@@ -304,6 +324,7 @@ std::vector<GenResponse> TrtllmExecutor::await_responses(std::chrono::millisecon
         g.prompt_tokens = it->second;
         prompt_tokens_.erase(it);
       }
+      beam_searches_.erase(g.id);  // an error response never reached beam_search_of
       // Reuse is counted in whole blocks; at least the last prompt token is computed.
       g.cached_prompt_tokens = std::max(0, std::min(g.cached_prompt_tokens, g.prompt_tokens - 1));
     }
@@ -312,13 +333,14 @@ std::vector<GenResponse> TrtllmExecutor::await_responses(std::chrono::millisecon
   return out;
 }
 
-std::optional<std::int32_t> TrtllmExecutor::beam_search_of(RequestId id, bool final) {
+std::optional<TrtllmExecutor::BeamSearch> TrtllmExecutor::beam_search_of(RequestId id,
+                                                                       bool final) {
   std::lock_guard<std::mutex> lock(prompt_mu_);
-  auto it = beam_max_tokens_.find(id);
-  if (it == beam_max_tokens_.end()) return std::nullopt;
-  const std::int32_t most = it->second;
-  if (final) beam_max_tokens_.erase(it);
-  return most;
+  auto it = beam_searches_.find(id);
+  if (it == beam_searches_.end()) return std::nullopt;
+  const BeamSearch search = it->second;
+  if (final) beam_searches_.erase(it);
+  return search;
 }
 
 void TrtllmExecutor::cancel(RequestId id) {
@@ -376,8 +398,7 @@ EngineInfo TrtllmExecutor::info() const {
   i.max_loras = std::max(0, options_.max_loras);
   i.max_lora_rank = i.lora ? options_.max_lora_rank : 0;
   i.max_adapters = 0;  // the PEFT cache evicts the least recently used
-  const std::int32_t beams = options_.engine.config.max_beam_width;
-  i.max_beam_width = beams > 1 ? beams : 0;
+  i.max_beam_width = options_.max_beam_width > 1 ? options_.max_beam_width : 0;
   return i;
 }
 

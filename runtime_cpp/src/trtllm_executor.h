@@ -39,6 +39,8 @@ struct TrtllmOptions {
   // LoRA (PeftCacheConfig): adapters in one batch and their largest rank; 0: no LoRA.
   std::int32_t max_loras = 0;
   std::int32_t max_lora_rank = 64;
+  // Beam search up to this many beams (1: none); at most the engine's built max_beam_width.
+  std::int32_t max_beam_width = 1;
 };
 
 // TensorRT-LLM's version as the library reports it ("1.0.0").
@@ -64,15 +66,19 @@ class TrtllmExecutor final : public Executor {
 
  private:
   struct LoraStore;  // the adapters' weights, sent with the first request that uses each
-  // A beam search's max_tokens (forgotten with its final response); nullopt for others.
-  std::optional<std::int32_t> beam_search_of(RequestId id, bool final);
+  struct BeamSearch {
+    std::int32_t max_tokens = 0;
+    bool end_id = false;  // the request stops at the EOS (not ignore_eos)
+  };
+  // A beam search's facts (forgotten with its final response); nullopt for others.
+  std::optional<BeamSearch> beam_search_of(RequestId id, bool final);
   const TrtllmOptions options_;
   std::unique_ptr<tensorrt_llm::executor::Executor> executor_;
   std::mutex stats_mu_;
   std::optional<IterationStats> stats_;
   std::mutex prompt_mu_;
   std::unordered_map<RequestId, std::int32_t> prompt_tokens_;  // until the final
-  std::unordered_map<RequestId, std::int32_t> beam_max_tokens_;  // beam searches, until the final
+  std::unordered_map<RequestId, BeamSearch> beam_searches_;  // until the final
   std::atomic<bool> shut_down_{false};
   std::unique_ptr<LoraStore> loras_;
 };

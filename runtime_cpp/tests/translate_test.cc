@@ -314,6 +314,10 @@ TEST(Translate, BeamSearchWhereTheEngineHasItAndOnlyWhatItTakes) {
   stopped.add_stop_token_ids(9);
   EXPECT_FALSE(to_gen_request(stopped, beams, -1, &out, &err));
   EXPECT_EQ(err.field, "stop_token_ids");
+  auto warm = in;
+  warm.mutable_sampling()->set_temperature(0.7f);
+  EXPECT_FALSE(to_gen_request(warm, beams, -1, &out, &err));
+  EXPECT_EQ(err.field, "sampling.temperature");
   auto scored = in;
   scored.set_logprobs(0);
   EXPECT_FALSE(to_gen_request(scored, beams, -1, &out, &err));
@@ -321,14 +325,24 @@ TEST(Translate, BeamSearchWhereTheEngineHasItAndOnlyWhatItTakes) {
 }
 
 TEST(Translate, ABeamSearchsFinalCarriesEveryBeamWithTheEosPutBack) {
+  // normalize_end_id leaves a beam search's final alone: no stray EOS chunk before it.
+  GenResponse n;
+  n.is_final = true;
+  n.finish = FinishReason::kEndId;
+  n.beams = {{{4}, -1.f, FinishReason::kEndId}};
+  normalize_end_id(&n, TokenId{2}, std::nullopt);
+  EXPECT_TRUE(n.tokens.empty());
+
   GenResponse r;
   r.is_final = true;
   r.finish = FinishReason::kEndId;
   r.prompt_tokens = 3;
-  r.beams = {{{4, 5}, -1.5f, FinishReason::kEndId}, {{6, 7, 8}, -2.f, FinishReason::kLength}};
+  r.beams = {{{4, 5}, -1.5f, FinishReason::kEndId},
+             {{6, 7, 8}, -2.f, FinishReason::kLength},
+             {{9, 3}, -2.5f, FinishReason::kEndId}};  // 3: an extra EOS id, a stop word
   wv1::Final final;
   fill_final(r, 0, std::nullopt, {2, 3}, &final);
-  ASSERT_EQ(final.beams_size(), 2);
+  ASSERT_EQ(final.beams_size(), 3);
   const auto& first = final.beams(0);
   EXPECT_EQ(std::vector<std::uint32_t>(first.token_ids().begin(), first.token_ids().end()),
             (std::vector<std::uint32_t>{4, 5, 2}));
@@ -340,7 +354,11 @@ TEST(Translate, ABeamSearchsFinalCarriesEveryBeamWithTheEosPutBack) {
   EXPECT_EQ(second.token_ids_size(), 3);
   EXPECT_EQ(second.finish_reason(), v1::FINISH_REASON_LENGTH);
   EXPECT_FALSE(second.has_eos_token_id());
-  EXPECT_EQ(final.usage().completion_tokens(), 6u);  // every beam's tokens
+  const auto& third = final.beams(2);  // it ended with its EOS among its tokens
+  EXPECT_EQ(third.token_ids_size(), 2);
+  EXPECT_EQ(third.eos_token_id(), 3u);
+  EXPECT_EQ(third.finish_reason(), v1::FINISH_REASON_STOP);
+  EXPECT_EQ(final.usage().completion_tokens(), 8u);  // every beam's tokens
   EXPECT_EQ(final.usage().prompt_tokens(), 3u);
   EXPECT_EQ(final.finish_reason(), v1::FINISH_REASON_STOP);
   EXPECT_EQ(final.stop_reason_case(), wv1::Final::STOP_REASON_NOT_SET);  // per beam only

@@ -277,7 +277,10 @@ class Outcome:
 
     def add(self, final: Final) -> None:
         self.finals.append(final)
-        self.ended = len(self.finals) >= self.samples
+        if final.cumulative_logprob is not None:  # a beam: the last one carries total_usage
+            self.ended = final.total_usage is not None
+        else:
+            self.ended = len(self.finals) >= self.samples
 
 
 class Finals:

@@ -224,7 +224,9 @@ def test_get_info(stub: Any, engine: str) -> None:
     caps = info.capabilities
     assert info.HasField("capabilities") and caps.max_n == 1
     assert caps.max_logprobs == (20 if engine == "vllm" else 0)
-    assert not caps.beam_search
+    # Beam search: vLLM's own (2 x width log probabilities a step, within max_logprobs).
+    assert caps.beam_search == (engine == "vllm")
+    assert caps.max_beam_width == (10 if engine == "vllm" else 0)
     # LoRA: the simulator has it by default; the session's vLLM worker was started without.
     assert caps.lora == (engine == "sim")
     # vLLM's structured outputs take every kind; the simulator takes none.
