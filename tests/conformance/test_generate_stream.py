@@ -20,7 +20,13 @@ import pytest
 from switchyard.v1 import common_pb2
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from tests.conformance.test_worker_conformance import generate, request, running, wait_idle
+from tests.conformance.test_worker_conformance import (
+    generate,
+    load_report,
+    request,
+    running,
+    wait_idle,
+)
 from tests.procs import Proc
 
 pytestmark = pytest.mark.engine
@@ -101,9 +107,7 @@ class Session:
 def in_flight(stub: Any) -> int:
     """The requests the worker holds (its own count, which a leak keeps above zero),
     plus running and waiting ones in the engine, from one StreamLoad report."""
-    call = stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=10), timeout=5)
-    report = next(iter(call))
-    call.cancel()
+    report = load_report(stub)
     return int(report.in_flight) + int(report.running) + int(report.waiting)
 
 
@@ -307,24 +311,15 @@ def test_a_cancelled_beam_search_leaves_nothing_held(stub: Any, engine: str) -> 
         pytest.skip(f"the {engine} worker declares no beam search (its refusal is tested in "
                     "test_worker_conformance.py)")  # fmt: skip
 
-    def in_flight() -> int:
-        call = stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=10), timeout=5)
-        report = next(iter(call))
-        call.cancel()
-        return int(report.in_flight)
-
     session = Session(stub)
     session.start(request(max_tokens=1500, request_id=f"{engine}-beams", attempt_id=1,
                           beam_width=2))  # fmt: skip
     deadline = time.monotonic() + 10
-    while in_flight() == 0:
+    while in_flight(stub) == 0:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     session.cancel(1)
-    deadline = time.monotonic() + 5
-    while in_flight() != 0:
-        assert time.monotonic() < deadline, "the cancelled search is still held"
-        time.sleep(0.01)
+    wait_nothing_in_flight(stub, within_s=5.0)  # the cancelled search is not held
     # The stream goes on: a short request on it after the cancel runs to its end.
     session.start(request(max_tokens=4, request_id=f"{engine}-after", attempt_id=2))
     got, last = session.wait(2)

@@ -70,11 +70,20 @@ def generate(
     return chunks, finals[0]
 
 
-def running(stub: Any) -> int:
+def load_report(stub: Any) -> Any:
     call = stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=10), timeout=5)
     report = next(iter(call))
     call.cancel()
-    return int(report.running)
+    return report
+
+
+def running(stub: Any) -> int:
+    return int(load_report(stub).running)
+
+
+def in_flight(stub: Any) -> int:
+    """Requests the worker holds, whatever the engine runs for them."""
+    return int(load_report(stub).in_flight)
 
 
 def wait_idle(stub: Any, within_s: float) -> None:
@@ -324,13 +333,6 @@ def test_adapters_where_declared_and_refused_elsewhere(
     assert [v.field for v in read_details(e.value.trailing_metadata()).violations] == ["adapter"]
 
 
-def _in_flight(stub: Any) -> int:
-    call = stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=10), timeout=5)
-    report = next(iter(call))
-    call.cancel()
-    return int(report.in_flight)
-
-
 def test_beam_search_where_declared_and_refused_elsewhere(stub: Any, engine: str) -> None:
     caps = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5).capabilities
     assert caps.beam_search == (engine == "vllm")
@@ -375,7 +377,7 @@ def test_beam_search_where_declared_and_refused_elsewhere(stub: Any, engine: str
     t = threading.Thread(target=consume)
     t.start()
     deadline = time.monotonic() + 10
-    while _in_flight(stub) == 0:
+    while in_flight(stub) == 0:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     aborted = stub.Abort(worker_pb2.AbortRequest(request_ids=[rid]), timeout=5)
@@ -383,7 +385,7 @@ def test_beam_search_where_declared_and_refused_elsewhere(stub: Any, engine: str
     assert aborted.aborted == 1
     assert result["out"][1].finish_reason == FR.FINISH_REASON_CANCELLED
     deadline = time.monotonic() + 5
-    while _in_flight(stub) != 0:
+    while in_flight(stub) != 0:
         assert time.monotonic() < deadline, "the aborted search is still held"
         time.sleep(0.01)
 
