@@ -16,7 +16,7 @@ models:
     replicas: 1             # local worker processes to start
     engine_args: {max_model_len: 2048}   # vllm: any of vLLM's AsyncEngineArgs
     workers: []             # addresses of remote workers; when set, none is started
-    routing: least_load     # least_load | prefix_affinity | power_of_two | round_robin
+    routing: least_load     # least_load | prefix_affinity | kv_aware | power_of_two | round_robin
     limits: {max_concurrency: 256, max_queue: 1024}
     health: {canary_interval_s: 5, canary_timeout_s: 2, failure_threshold: 3}
     discovery: {dns: workers.example:7001, interval_s: 10}   # every address behind a name
@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 ENGINES = ("vllm", "trtllm", "sim")
-ROUTING_POLICIES = ("least_load", "prefix_affinity", "power_of_two", "round_robin")
+ROUTING_POLICIES = ("least_load", "prefix_affinity", "kv_aware", "power_of_two", "round_robin")
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny",)
 DEFAULT_LISTEN = "127.0.0.1:50051"

@@ -10,11 +10,15 @@ candidates it is given (never empty). One policy per file, all behind `Policy`:
 - `prefix_affinity`: the worker chosen by a hash of the prompt's first KV-cache blocks, so
   repeated prefixes reach the worker that has them cached; least load when that worker is
   busy.
+- `kv_aware`: the lowest cost of the prompt blocks a worker would still have to compute
+  (from an index of the blocks each worker holds, `kv_index`) plus the work it already
+  has (`kv_aware.py` has the formula).
 """
 
 from __future__ import annotations
 
 from control.routing.base import Candidate, Policy, RouteRequest, load_score
+from control.routing.kv_aware import KvAware
 from control.routing.least_load import LeastLoad
 from control.routing.power_of_two import PowerOfTwo
 from control.routing.prefix_affinity import PrefixAffinity
@@ -25,6 +29,7 @@ POLICIES: dict[str, type[Policy]] = {
     "least_load": LeastLoad,
     "power_of_two": PowerOfTwo,
     "prefix_affinity": PrefixAffinity,
+    "kv_aware": KvAware,
 }
 
 

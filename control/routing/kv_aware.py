@@ -1,0 +1,88 @@
+"""KV-aware routing: the worker where the prompt costs least, counting both the prompt
+blocks it would have to compute and the work it already has.
+
+For a prompt of B blocks (the last one partial or not) and a candidate w that holds its
+first o_w blocks (`kv_index.KvIndex.overlap`), in tokens:
+
+    cost(w) = overlap_weight * (B - o_w) * block_size                (prefill still to do)
+            + load_weight * load_score(w) * TOKENS_PER_REQUEST_WEIGHT  (work already there)
+
+`load_score` is the same as least load's (running and waiting requests, with this
+process's own since the last report, plus their tokens), so with nothing cached anywhere
+this is least load. With `temperature` 0 the cheapest worker takes the request (ties go
+to the one first in turn); above 0 a worker is drawn with probability proportional to
+exp(-cost / (temperature * block_size * B)), which spreads requests among nearly equal
+workers.
+
+The index learns from the prompts it routes (the chosen worker is taken to hold them),
+for engines that report nothing; workers whose engines report KV-cache events feed the
+same index exactly (`KvIndex.stored` / `removed`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Sequence
+
+from control.routing.base import TOKENS_PER_REQUEST_WEIGHT, Candidate, RouteRequest, load_score
+from control.routing.kv_index import KvIndex, prompt_keys
+
+# A running request weighs about 31 tokens of prefill (1024 x 0.03): on the fleet
+# simulation (bench/fleet_sim.py, 16 and 64 workers, 128 shared 512-token prefixes) 0.01 to
+# 0.1 beat prefix affinity on TTFT p99 and hit rate; 1.0 (a request as 1024 tokens) kept too
+# little of the cache, 0.003 too little of the balance (docs/kv-routing.md).
+LOAD_WEIGHT = 0.03
+
+
+class KvAware:
+    name = "kv_aware"
+
+    def __init__(
+        self,
+        overlap_weight: float = 1.0,
+        load_weight: float = LOAD_WEIGHT,
+        temperature: float = 0.0,
+        index: KvIndex | None = None,
+        learn: bool = True,
+        rng: random.Random | None = None,
+    ) -> None:
+        if overlap_weight < 0 or load_weight < 0 or temperature < 0:
+            raise ValueError("kv_aware weights and temperature must be >= 0")
+        self.overlap_weight = overlap_weight
+        self.load_weight = load_weight
+        self.temperature = temperature
+        self.index = index if index is not None else KvIndex()
+        self.learn = learn
+        self._rng = rng or random.Random()
+        self._tie = itertools.count()
+
+    def costs(self, candidates: Sequence[Candidate], request: RouteRequest) -> list[float]:
+        """Each candidate's cost, in tokens, in the candidates' order."""
+        size = max(request.kv_block_size, 1)
+        blocks = math.ceil(len(request.prompt_ids) / size)
+        keys = prompt_keys(request.prompt_ids, size)
+        held = self.index.overlap(keys, (c.address for c in candidates))
+        return [
+            self.overlap_weight * (blocks - held[c.address]) * size
+            + self.load_weight * load_score(c) * TOKENS_PER_REQUEST_WEIGHT
+            for c in candidates
+        ]
+
+    def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
+        costs = self.costs(candidates, request)
+        chosen: Candidate
+        if self.temperature == 0:
+            start = next(self._tie) % len(candidates)
+            order = [*range(start, len(candidates)), *range(start)]
+            chosen = candidates[min(order, key=lambda i: costs[i])]
+        else:
+            size = max(request.kv_block_size, 1)
+            scale = self.temperature * size * max(1, math.ceil(len(request.prompt_ids) / size))
+            low = min(costs)
+            weights = [math.exp(-(c - low) / scale) for c in costs]
+            chosen = candidates[self._rng.choices(range(len(candidates)), weights=weights)[0]]
+        if self.learn:
+            self.index.learn(chosen.address, prompt_keys(request.prompt_ids, request.kv_block_size))
+        return chosen
