@@ -19,6 +19,7 @@ from pyworker.adapters import LoraLimits
 from pyworker.beams import max_beam_width
 from pyworker.engine_args import blame, current_machine, engine_arg_names, resolve
 from pyworker.gpu_memory import GpuMemoryReader
+from pyworker.kv_events import engine_kwargs
 from pyworker.stderr_tail import StderrTail
 
 log = structlog.get_logger(__name__)
@@ -157,6 +158,7 @@ class Engine:
     info: EngineInfo
     make_prompt: TokenPromptFactory = field(default_factory=token_prompt_factory)
     gpu: GpuMemoryReader = field(default_factory=lambda: GpuMemoryReader(world_size=0))
+    kv_events_endpoint: str | None = None  # where its engine core publishes KV-cache events
 
     def shutdown(self) -> None:
         try:
@@ -211,7 +213,7 @@ def build_engine(
 
     names = engine_arg_names()
     machine = current_machine()
-    kwargs = resolve(engine_args, model, machine, names)
+    kwargs, kv_events = engine_kwargs(resolve(engine_args, model, machine, names))
     log.info("checking engine settings", model=model, engine_args=kwargs)
     try:
         vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()
@@ -256,7 +258,9 @@ def build_engine(
         kv_cache_dtype=info.kv_cache_dtype,
     )
     world = info.tensor_parallel_size * info.pipeline_parallel_size
-    return Engine(llm=llm, load=load, info=info, gpu=GpuMemoryReader(world))
+    return Engine(
+        llm=llm, load=load, info=info, gpu=GpuMemoryReader(world), kv_events_endpoint=kv_events
+    )
 
 
 def engine_info(llm: Any, model: str) -> EngineInfo:

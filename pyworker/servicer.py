@@ -22,6 +22,7 @@ from pyworker.adapters import Adapter
 from pyworker.engine import Engine
 from pyworker.errors import WorkerError, abort_with
 from pyworker.generation import Generations, StreamClosed
+from pyworker.kv_events import KvEvents
 from pyworker.request import deadline_after
 from pyworker.session import Session
 
@@ -41,6 +42,8 @@ class WorkerServicer:
     def __init__(self, engine: Engine, *, rate_window_s: float = 2.0) -> None:
         self._engine = engine
         self.generations = Generations(engine, rate_window_s=rate_window_s)
+        endpoint = engine.kv_events_endpoint
+        self.kv_events = KvEvents(endpoint) if endpoint else None
 
     @property
     def in_flight(self) -> int:
@@ -104,7 +107,20 @@ class WorkerServicer:
                 max_beam_width=info.max_beam_width,
             ),
             adapters=[_adapter_info(a) for a in self.generations.adapters.all()],
+            kv_events=self.kv_events is not None,
         )
+
+    async def SubscribeKvEvents(self, request: Any, context: Context) -> Any:
+        if self.kv_events is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this worker's engine publishes no KV-cache events (prefix caching is off, "
+                "or engine_args set kv_events_config)",
+            )
+            return
+        self.kv_events.start_once()
+        async for batch in self.kv_events.subscribe():
+            await context.write(batch)
 
     async def LoadAdapter(self, request: Any, context: Context) -> Any:
         try:

@@ -1,0 +1,158 @@
+"""The engine's KV-cache events, for SubscribeKvEvents.
+
+vLLM publishes them from its engine-core process (`kv_events_config`, a ZMQ PUB socket;
+0.26 and 0.32 alike): one message per engine step, `[topic, sequence (8 bytes, big
+endian), msgpack batch]`, the batch `[timestamp, events, data-parallel rank]`, each event
+a map with a "type" (BlockStored, BlockRemoved, AllBlocksCleared). The worker turns its
+engine's publisher on at an ipc socket of its own (`engine_kwargs`), reads it here, and
+hands every subscriber the same `KvEventBatch` messages. A subscriber that falls behind
+is dropped (its stream ends; it subscribes again and starts from a reset); a gap in the
+engine's own sequence reaches every subscriber as a reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+from switchyard.worker.v1 import worker_pb2
+
+log = structlog.get_logger(__name__)
+
+TOPIC = b"kv"
+QUEUE_BATCHES = 4096  # per subscriber, before it counts as fallen behind
+
+
+def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """`kwargs` (AsyncEngineArgs') with the engine's KV-cache events published at an ipc
+    socket of this worker's, and that endpoint; unchanged (None) where the caller set
+    kv_events_config itself or turned prefix caching off (then nothing is stored)."""
+    if "kv_events_config" in kwargs or kwargs.get("enable_prefix_caching") is False:
+        return kwargs, None
+    from vllm.config import KVEventsConfig
+
+    path = os.path.join(tempfile.mkdtemp(prefix="switchyard-kv-"), "events.sock")
+    endpoint = f"ipc://{path}"
+    config = KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic=TOPIC.decode()
+    )
+    return {**kwargs, "kv_events_config": config}, endpoint
+
+
+def _hash(value: Any) -> int:
+    """An engine block hash as the events carry it: an int (vLLM's default) or the
+    digest's bytes, whose last 8 bytes (big endian) are what the int form is."""
+    if isinstance(value, bytes | bytearray):
+        return int.from_bytes(value[-8:], "big")
+    return int(value) & 0xFFFFFFFFFFFFFFFF
+
+
+def to_event(raw: Any) -> Any | None:
+    """One vLLM event (a map) as a KvEvent; None for what is not about the main cache."""
+    if not isinstance(raw, dict):
+        return None
+    kind = raw.get("type")
+    medium = raw.get("medium")
+    if medium not in (None, "GPU"):  # an offloading tier's copy, not the engine's cache
+        return None
+    if kind == "BlockStored":
+        stored = worker_pb2.KvBlocksStored(
+            block_hashes=[_hash(h) for h in raw.get("block_hashes", ())],
+            token_ids=[int(t) for t in raw.get("token_ids", ())],
+            block_size=int(raw.get("block_size", 0)),
+            adapter=str(raw.get("lora_name") or ""),
+        )
+        parent = raw.get("parent_block_hash")
+        if parent is not None:
+            stored.parent_block_hash = _hash(parent)
+        return worker_pb2.KvEvent(stored=stored)
+    if kind == "BlockRemoved":
+        hashes = [_hash(h) for h in raw.get("block_hashes", ())]
+        return worker_pb2.KvEvent(removed=worker_pb2.KvBlocksRemoved(block_hashes=hashes))
+    if kind == "AllBlocksCleared":
+        return worker_pb2.KvEvent(cleared=worker_pb2.KvCacheCleared())
+    return None
+
+
+class KvEvents:
+    """The engine's events, read once and fanned out."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._subscribers: set[asyncio.Queue[Any]] = set()
+        self._sequence = 0  # this worker's, per batch sent
+        self._engine_sequence: int | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start_once(self) -> None:
+        """Read the engine's events from now on (the first subscriber starts it)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._read(), name="kv-events")
+
+    async def subscribe(self) -> AsyncIterator[Any]:
+        """Batches from now on, the first with reset set; ends when this subscriber
+        falls behind (or the worker stops)."""
+        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=QUEUE_BATCHES)
+        self._subscribers.add(queue)
+        try:
+            yield worker_pb2.KvEventBatch(sequence=self._sequence, reset=True)
+            while (batch := await queue.get()) is not None:
+                yield batch
+        finally:
+            self._subscribers.discard(queue)
+
+    def _publish(self, batch: Any) -> None:
+        self._sequence += 1
+        batch.sequence = self._sequence
+        for queue in list(self._subscribers):
+            try:
+                queue.put_nowait(batch)
+            except asyncio.QueueFull:  # fallen behind: its stream ends
+                self._subscribers.discard(queue)
+                with contextlib.suppress(asyncio.QueueEmpty):
+                    queue.get_nowait()
+                queue.put_nowait(None)
+                log.warning("kv-events subscriber fell behind; dropped")
+
+    def handle(self, frames: list[bytes]) -> None:
+        """One message from the engine's publisher."""
+        import msgspec
+
+        if len(frames) != 3 or len(frames[1]) != 8:
+            log.warning("kv-events message of an unknown shape", frames=len(frames))
+            return
+        seq = int.from_bytes(frames[1], "big")
+        gap = self._engine_sequence is not None and seq != self._engine_sequence + 1
+        self._engine_sequence = seq
+        decoded = msgspec.msgpack.decode(frames[2])
+        timestamp, raw_events = float(decoded[0]), decoded[1]
+        events = [e for e in (to_event(r) for r in raw_events) if e is not None]
+        if not events and not gap:
+            return
+        self._publish(worker_pb2.KvEventBatch(reset=gap, events=events, timestamp_s=timestamp))
+
+    async def _read(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.SUB)
+        try:
+            sock.connect(self.endpoint)
+            sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+            while True:
+                frames = await sock.recv_multipart()
+                try:
+                    self.handle(frames)
+                except Exception:  # a batch it cannot read: the subscribers must resync
+                    log.warning("kv-events batch not understood", exc_info=True)
+                    self._engine_sequence = None
+                    self._publish(worker_pb2.KvEventBatch(reset=True))
+        finally:
+            sock.close(linger=0)
+            ctx.term()

@@ -1,0 +1,105 @@
+"""KV-cache events (SubscribeKvEvents), on every worker that declares them: the blocks a
+prompt leaves in the engine's cache arrive as stored blocks with the prompt's own tokens,
+chained by the engine's hashes, so the control plane's index (control/routing/kv_index)
+built from them knows which worker holds the prompt; a worker that does not declare them
+says so in GetInfo."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from switchyard.v1 import common_pb2
+from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
+
+from control.routing.kv_index import KvIndex, prompt_keys
+from tests.conformance.test_worker_conformance import generate
+from tests.procs import Proc
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture
+def stub(any_worker: Proc) -> Iterator[Any]:
+    with grpc.insecure_channel(any_worker.address) as channel:
+        yield worker_pb2_grpc.WorkerStub(channel)
+
+
+class Subscription:
+    """SubscribeKvEvents read by a thread, batch by batch."""
+
+    def __init__(self, stub: Any) -> None:
+        self.call = stub.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest(), timeout=120)
+        self.batches: list[Any] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for batch in self.call:
+                with self._lock:
+                    self.batches.append(batch)
+        except grpc.RpcError:
+            pass  # cancelled at the end of the test
+
+    def seen(self) -> list[Any]:
+        with self._lock:
+            return list(self.batches)
+
+    def close(self) -> None:
+        self.call.cancel()
+        self._thread.join(10)
+
+
+def test_kv_events_where_declared(stub: Any, engine: str) -> None:
+    info = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
+    assert info.kv_events == (engine == "vllm")
+    if not info.kv_events:
+        return
+    block = info.kv_block_size
+    prompt = [(7 * i + 3) % 500 + 2 for i in range(2 * block + 5)]  # two full blocks, and more
+    sub = Subscription(stub)
+    try:
+        deadline = time.monotonic() + 30
+        while not sub.seen():
+            assert time.monotonic() < deadline, "no first batch"
+            time.sleep(0.01)
+        first = sub.seen()[0]
+        assert first.reset, "a new subscription starts from a reset"
+        req = worker_pb2.GenerateRequest(
+            request_id="kv-events", prompt_token_ids=prompt, max_tokens=2, ignore_eos=True,
+            sampling=common_pb2.SamplingParams(temperature=0.0),
+        )  # fmt: skip
+        generate(stub, req)
+        index = KvIndex()
+        keys = prompt_keys(prompt, block)
+        deadline = time.monotonic() + 30
+        while index.overlap(keys, ["w"])["w"] < 2:
+            assert time.monotonic() < deadline, f"the prompt's blocks never came: {sub.seen()}"
+            time.sleep(0.05)
+            index = KvIndex()
+            for batch in sub.seen():
+                if batch.reset:
+                    index.cleared("w")
+                for event in batch.events:
+                    if event.HasField("stored"):
+                        s = event.stored
+                        parent = s.parent_block_hash if s.HasField("parent_block_hash") else None
+                        index.stored("w", list(s.block_hashes), parent, list(s.token_ids),
+                                     s.block_size)  # fmt: skip
+                    elif event.HasField("removed"):
+                        index.removed("w", list(event.removed.block_hashes))
+                    elif event.HasField("cleared"):
+                        index.cleared("w")
+        stored = [e.stored for b in sub.seen() for e in b.events if e.HasField("stored")]
+        assert all(s.block_size == block for s in stored)
+        assert any(list(s.token_ids[:block]) == prompt[:block] for s in stored)
+        sequences = [b.sequence for b in sub.seen()]
+        assert sequences == sorted(sequences) and len(set(sequences)) == len(sequences)
+    finally:
+        sub.close()
