@@ -311,6 +311,7 @@ class ModelLoader:
             if self.registry.find(entry.name) is not entry or not entry.accepting:
                 await client.close()  # the model went away meanwhile
                 return
+            client.kv_sink = entry.kv_index
             entry.workers.append(client)
             log.info("worker joined", model=entry.name, worker=address)
         except Exception as e:

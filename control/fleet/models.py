@@ -13,6 +13,8 @@ from control.fleet.admission import Admission
 from control.fleet.supervisor import LocalWorker
 from control.metrics import ModelMetrics
 from control.routing import Policy, RouteRequest, make_policy
+from control.routing.kv_aware import KvAware
+from control.routing.kv_index import KvIndex
 from control.text.params import ModelLimits
 from control.text.tokenizer import Tokenizer
 from control.workers.client import WorkerClient, WorkerInfo
@@ -37,6 +39,8 @@ class ModelEntry:
 
     def __post_init__(self) -> None:
         self.policy = make_policy(self.spec.routing)
+        for w in self.workers:
+            w.kv_sink = self.kv_index
         self.metrics = ModelMetrics(self.spec.name)
         self.admission = Admission(
             self.spec.name, self.spec.max_concurrency, self.spec.max_queue, self.metrics
@@ -45,6 +49,11 @@ class ModelEntry:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def kv_index(self) -> KvIndex | None:
+        """The index its routing reads, fed by its workers' KV-cache events."""
+        return self.policy.index if isinstance(self.policy, KvAware) else None
 
     @property
     def limits(self) -> ModelLimits:

@@ -60,6 +60,7 @@ class KvIndex:
         self._holders: dict[int, set[str]] = {}  # key -> workers holding it
         self._order: OrderedDict[tuple[str, int], None] = OrderedDict()  # oldest first
         self._engine: dict[str, dict[int, int]] = {}  # worker -> engine hash -> key
+        self._followed: set[str] = set()  # workers whose engines' events come in
 
     def __len__(self) -> int:
         return len(self._order)
@@ -71,6 +72,16 @@ class KvIndex:
         return (worker, key) in self._order
 
     # ---- what engines report -----------------------------------------------------------
+
+    def follow(self, worker: str) -> None:
+        """The worker's events come in from now on: `learn` leaves it to them."""
+        self._followed.add(worker)
+
+    def unfollow(self, worker: str) -> None:
+        self._followed.discard(worker)
+
+    def followed(self, worker: str) -> bool:
+        return worker in self._followed
 
     def stored(
         self,
@@ -118,7 +129,10 @@ class KvIndex:
     # ---- what this process routed ------------------------------------------------------
 
     def learn(self, worker: str, keys: Sequence[int]) -> None:
-        """The worker now holds these blocks (it was sent a prompt that has them)."""
+        """The worker now holds these blocks (it was sent a prompt that has them); not for
+        a worker whose events come in (they say what it holds)."""
+        if worker in self._followed:
+            return
         for key in keys:
             self._add(worker, key)
 

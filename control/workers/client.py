@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import structlog
@@ -119,6 +120,7 @@ class WorkerInfo:
     kv_blocks_total: int = 0
     gpu_memory_total_bytes: int = 0
     capabilities: Capabilities | None = None  # None: a worker that does not declare them
+    kv_events: bool = False  # serves SubscribeKvEvents
 
     @property
     def label(self) -> str:
@@ -127,6 +129,29 @@ class WorkerInfo:
 
 class WorkerNotReady(RuntimeError):
     pass
+
+
+class KvSink(Protocol):
+    """Where a worker's KV-cache events go (control.routing.kv_index.KvIndex): by the
+    worker's address, and the engine's own block hashes."""
+
+    def follow(self, worker: str) -> None: ...  # its events come from now on
+
+    def unfollow(self, worker: str) -> None: ...  # they stopped coming
+
+    def stored(
+        self,
+        worker: str,
+        engine_hashes: Sequence[int],
+        parent_engine_hash: int | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        salt: str = "",
+    ) -> bool: ...
+
+    def removed(self, worker: str, engine_hashes: Iterable[int]) -> None: ...
+
+    def cleared(self, worker: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +184,7 @@ class WorkerClient:
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.info: WorkerInfo | None = None
+        self.kv_sink: KvSink | None = None  # set by its model where routing reads KV events
         self.serving = False
         self.draining = False
         self.leaving = False  # gone from DNS; removed once drained
@@ -254,6 +280,7 @@ class WorkerClient:
             kv_blocks_total=r.kv_blocks_total,
             gpu_memory_total_bytes=r.gpu_memory_total_bytes,
             capabilities=Capabilities.of(r.capabilities) if r.HasField("capabilities") else None,
+            kv_events=r.kv_events,
         )
         return self.info
 
@@ -299,6 +326,7 @@ class WorkerClient:
                 asyncio.create_task(health.watch_health(self), name=f"health {self.address}"),
                 asyncio.create_task(health.watch_load(self), name=f"load {self.address}"),
                 asyncio.create_task(health.canary(self), name=f"canary {self.address}"),
+                asyncio.create_task(health.watch_kv_events(self), name=f"kv {self.address}"),
             ]
 
     async def probe(self, timeout: float) -> bool:

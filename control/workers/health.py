@@ -105,6 +105,50 @@ async def watch_health(worker: WorkerClient) -> None:
         backoff = min(backoff * 2, 5.0)
 
 
+KV_RESUBSCRIBE_S = 1.0
+
+
+async def watch_kv_events(worker: WorkerClient) -> None:
+    """Feed the worker's KV-cache events to its model's index (`worker.kv_sink`), where
+    its GetInfo says it has them. A reset, a broken stream or the end of following clear
+    what the index holds for the worker: it never keeps blocks it may have missed the
+    removal of."""
+    while True:
+        sink = worker.kv_sink
+        if sink is None or worker.info is None or not worker.info.kv_events:
+            await asyncio.sleep(KV_RESUBSCRIBE_S)
+            continue
+        address = worker.address
+        try:
+            call = worker.stub.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest())
+            async for batch in call:
+                if batch.reset:
+                    sink.cleared(address)
+                    sink.follow(address)
+                for event in batch.events:
+                    kind = event.WhichOneof("kind")
+                    if kind == "stored":
+                        s = event.stored
+                        parent = s.parent_block_hash if s.HasField("parent_block_hash") else None
+                        # A parent announced before the subscription is unknown here: those
+                        # blocks are skipped (routing learns them from prompts meanwhile).
+                        sink.stored(address, s.block_hashes, parent, s.token_ids, s.block_size,
+                                    s.adapter)  # fmt: skip
+                    elif kind == "removed":
+                        sink.removed(address, event.removed.block_hashes)
+                    elif kind == "cleared":
+                        sink.cleared(address)
+        except grpc.aio.AioRpcError as e:
+            log.info("kv events stream ended", worker=address, code=e.code().name)
+        except asyncio.CancelledError:
+            sink.unfollow(address)
+            sink.cleared(address)
+            raise
+        sink.unfollow(address)
+        sink.cleared(address)
+        await asyncio.sleep(KV_RESUBSCRIBE_S)
+
+
 async def watch_load(worker: WorkerClient) -> None:
     while True:
         try:

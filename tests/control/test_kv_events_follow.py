@@ -1,0 +1,106 @@
+"""The control plane follows a worker's KV-cache events into its model's index: a scripted
+worker (a gRPC server speaking the worker API) streams batches; the index holds what they
+say, leaves learning to them while they come, and forgets the worker when its stream
+resets or breaks, until the next subscription says again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
+
+from control.fleet.supervisor import free_port
+from control.routing.kv_index import KvIndex, prompt_keys
+from control.workers import health
+from control.workers.client import WorkerClient
+
+BLOCK = 4
+TOKENS = list(range(100, 112))  # three blocks
+
+
+def removed(hashes: list[int]) -> Any:
+    return worker_pb2.KvEvent(removed=worker_pb2.KvBlocksRemoved(block_hashes=hashes))
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int]) -> Any:
+    s = worker_pb2.KvBlocksStored(block_hashes=hashes, token_ids=tokens, block_size=BLOCK)
+    if parent is not None:
+        s.parent_block_hash = parent
+    return worker_pb2.KvEvent(stored=s)
+
+
+class EventsWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
+    """Each subscription gets the next script; a script ends its stream with an error."""
+
+    def __init__(self, scripts: list[list[Any]]) -> None:
+        self.scripts = scripts
+        self.subscriptions = 0
+        self.release = asyncio.Event()  # lets the current stream end
+
+    async def GetInfo(self, request: Any, context: Any) -> Any:
+        return worker_pb2.GetInfoResponse(engine="scripted", kv_block_size=BLOCK, kv_events=True)
+
+    async def SubscribeKvEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        script = self.scripts[min(self.subscriptions, len(self.scripts) - 1)]
+        self.subscriptions += 1
+        for batch in script:
+            yield batch
+        await self.release.wait()
+        self.release.clear()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "worker restarting")
+
+
+async def until(check: Callable[[], bool], what: str, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+async def test_the_index_follows_a_workers_events_and_forgets_it_on_a_break() -> None:
+    first = [
+        worker_pb2.KvEventBatch(sequence=0, reset=True),
+        worker_pb2.KvEventBatch(sequence=1, events=[stored([11, 12], None, TOKENS[:8])]),
+        worker_pb2.KvEventBatch(sequence=2, events=[stored([13], 12, TOKENS[8:])]),
+        worker_pb2.KvEventBatch(sequence=3, events=[removed([13])]),
+    ]
+    second = [
+        worker_pb2.KvEventBatch(sequence=0, reset=True),
+        worker_pb2.KvEventBatch(sequence=1, events=[stored([21], None, TOKENS[:4])]),
+    ]
+    scripted = EventsWorker([first, second])
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(scripted, server)
+    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
+    await server.start()
+    client = WorkerClient(f"127.0.0.1:{port}")
+    index = KvIndex()
+    watcher: asyncio.Task[None] | None = None
+    keys = prompt_keys(TOKENS, BLOCK)
+    address = client.address
+    try:
+        await client.fetch_info()
+        assert client.info is not None and client.info.kv_events
+        client.kv_sink = index
+        watcher = asyncio.create_task(health.watch_kv_events(client))
+        # Two blocks stored, a third after them, then the third removed: two held.
+        await until(lambda: scripted.subscriptions == 1 and len(index) == 2, "first events")
+        assert index.overlap(keys, [address]) == {address: 2}
+        assert index.followed(address)
+        index.learn(address, keys)  # its events say what it holds, not the routed prompts
+        assert index.overlap(keys, [address]) == {address: 2}
+        # The stream breaks: the worker is forgotten, then the next subscription refills it.
+        scripted.release.set()
+        await until(lambda: scripted.subscriptions == 2 and len(index) == 1, "resubscribed")
+        assert index.overlap(keys, [address]) == {address: 1}
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        assert len(index) == 0 and not index.followed(address)  # closing forgets it
+        await client.channel.close()
+        await server.stop(None)
