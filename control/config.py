@@ -80,6 +80,7 @@ ENGINE_ARG_KEYS: dict[str, frozenset[str]] = {
             "max_loras",
             "max_lora_rank",
             "max_beam_width",
+            "kv_event_buffer",
         }
     ),
 }

@@ -132,6 +132,26 @@ struct EngineInfo {
   std::int32_t max_beam_width = 0;  // beam search up to this many beams (0 or 1: none)
 };
 
+// One change to the engine's cache of prompt blocks (a KV-cache event).
+struct KvCacheEvent {
+  enum class Kind : std::uint8_t { kStored, kRemoved, kCleared };
+  Kind kind = Kind::kStored;
+  // kStored: each stored block's hash, in order (each follows the one before); kRemoved:
+  // the blocks gone.
+  std::vector<std::uint64_t> block_hashes;
+  std::optional<std::uint64_t> parent_hash;  // kStored: the block before the first
+  Tokens tokens;                             // kStored: every block's tokens
+  std::int32_t block_size = 0;
+  std::optional<AdapterId> adapter;          // kStored: the LoRA adapter they were for
+};
+
+// What take_kv_events found: the events in order, and whether some were lost before them
+// (a subscriber must then forget what it knew of this engine's cache).
+struct KvCacheEvents {
+  std::vector<KvCacheEvent> events;
+  bool lost = false;
+};
+
 // Memory on the GPUs an executor uses, at the time of the call; zeros without GPUs.
 struct GpuMemory {
   std::uint64_t used_bytes = 0;
@@ -191,6 +211,10 @@ class Executor {
   }
   // Forgets task `id` (no request uses it any more).
   virtual void unload_adapter(AdapterId /*id*/) {}
+  // Whether the engine reports its KV-cache events (take_kv_events).
+  virtual bool kv_events() const { return false; }
+  // The events since the last call, waiting up to `timeout` while there are none.
+  virtual KvCacheEvents take_kv_events(std::chrono::milliseconds /*timeout*/) { return {}; }
   // Stops the engine; pending requests are dropped. Idempotent.
   virtual void shutdown() = 0;
 };

@@ -9,6 +9,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -189,6 +190,8 @@ std::unique_ptr<Executor> make_executor(const Args& a) {
     o.max_loras = static_cast<int>(a.num("max-loras", 0));  // LoRA off unless asked for
     o.max_lora_rank = static_cast<int>(a.num("max-lora-rank", o.max_lora_rank));
     o.max_beam_width = static_cast<int>(a.num("max-beam-width", 1));  // off unless asked for
+    o.kv_event_buffer = static_cast<std::size_t>(
+        std::max<double>(0, a.num("kv-event-buffer", static_cast<double>(o.kv_event_buffer))));
     if (a.kv.count("tokenizer") && a.num("structured-output", 1) != 0) {
       const std::filesystem::path dir = a.get("tokenizer", "");
       if (std::filesystem::exists(dir / "tokenizer.json")) {

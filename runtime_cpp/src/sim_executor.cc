@@ -221,9 +221,11 @@ void SimExecutor::shutdown() {
     // Taking the locks orders the flag before any waiter re-checks it.
     std::lock_guard<std::mutex> a(mu_);
     std::lock_guard<std::mutex> b(out_mu_);
+    std::lock_guard<std::mutex> c(kv_mu_);
   }
   work_cv_.notify_all();
   out_cv_.notify_all();
+  kv_cv_.notify_all();
   (void)was;
   std::lock_guard<std::mutex> join(join_mu_);  // concurrent callers all return after the join
   if (thread_.joinable()) thread_.join();
@@ -301,20 +303,67 @@ void SimExecutor::remember_prefix_locked(const Tokens& prompt) {
   if (config_.prefix_cache_blocks <= 0) return;
   const auto B = static_cast<std::size_t>(config_.tokens_per_block);
   std::uint64_t h = 0;
+  std::optional<std::uint64_t> parent;  // the block before this one, if any
+  KvCacheEvent stored;                  // the new blocks, a run at a time
+  KvCacheEvent removed;
+  removed.kind = KvCacheEvent::Kind::kRemoved;
+  auto flush = [&] {
+    if (!stored.block_hashes.empty()) kv_event_locked(std::move(stored));
+    stored = KvCacheEvent{};
+  };
   for (std::size_t start = 0; start + B <= prompt.size(); start += B) {
     for (std::size_t i = start; i < start + B; ++i) h = mix(h ^ static_cast<std::uint32_t>(prompt[i]));
     auto it = lru_index_.find(h);
     if (it != lru_index_.end()) {
       lru_.splice(lru_.begin(), lru_, it->second);
+      flush();
+      parent = h;
       continue;
     }
+    if (stored.block_hashes.empty()) {
+      stored.parent_hash = parent;
+      stored.block_size = config_.tokens_per_block;
+    }
+    stored.block_hashes.push_back(h);
+    stored.tokens.insert(stored.tokens.end(), prompt.begin() + static_cast<std::ptrdiff_t>(start),
+                         prompt.begin() + static_cast<std::ptrdiff_t>(start + B));
     lru_.push_front(h);
     lru_index_[h] = lru_.begin();
     if (static_cast<std::int32_t>(lru_.size()) > config_.prefix_cache_blocks) {
+      removed.block_hashes.push_back(lru_.back());
       lru_index_.erase(lru_.back());
       lru_.pop_back();
     }
+    parent = h;
   }
+  flush();
+  // After the stores, so that a block stored and evicted by the same prompt ends removed.
+  if (!removed.block_hashes.empty()) kv_event_locked(std::move(removed));
+}
+
+void SimExecutor::kv_event_locked(KvCacheEvent event) {
+  constexpr std::size_t kMaxEvents = 65536;  // beyond: the oldest go, and the loss is said
+  {
+    std::lock_guard<std::mutex> lock(kv_mu_);
+    if (kv_events_.size() >= kMaxEvents) {
+      kv_events_.pop_front();
+      kv_lost_ = true;
+    }
+    kv_events_.push_back(std::move(event));
+  }
+  kv_cv_.notify_all();
+}
+
+KvCacheEvents SimExecutor::take_kv_events(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(kv_mu_);
+  kv_cv_.wait_for(lock, timeout, [&] { return !kv_events_.empty() || kv_lost_ || stopped_.load(); });
+  KvCacheEvents out;
+  out.events.assign(std::make_move_iterator(kv_events_.begin()),
+                    std::make_move_iterator(kv_events_.end()));
+  kv_events_.clear();
+  out.lost = kv_lost_;
+  kv_lost_ = false;
+  return out;
 }
 
 double SimExecutor::run_iteration_locked(std::vector<GenResponse>& out,

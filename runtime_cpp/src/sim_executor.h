@@ -70,6 +70,8 @@ class SimExecutor final : public Executor {
   EngineInfo info() const override;
   void shutdown() override;
   std::int32_t load_adapter(AdapterId id, const std::string& path) override;
+  bool kv_events() const override { return config_.prefix_cache_blocks > 0; }
+  KvCacheEvents take_kv_events(std::chrono::milliseconds timeout) override;
   void unload_adapter(AdapterId id) override;
 
   // Virtual-clock mode only: run one iteration now; returns its modeled cost in
@@ -130,6 +132,13 @@ class SimExecutor final : public Executor {
   std::mutex out_mu_;
   std::condition_variable out_cv_;
   std::vector<GenResponse> out_;
+
+  // KV-cache events of the prefix cache, until take_kv_events (taken under mu_, then kv_mu_).
+  void kv_event_locked(KvCacheEvent event);
+  std::mutex kv_mu_;
+  std::condition_variable kv_cv_;
+  std::deque<KvCacheEvent> kv_events_;
+  bool kv_lost_ = false;
 
   std::atomic<bool> stopped_{false};
   std::mutex join_mu_;

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <cstring>
 #include <list>
+#include <variant>
 
 #include <cuda_runtime_api.h>
 
@@ -32,6 +33,8 @@ tle::ExecutorConfig executor_config(const TrtllmOptions& o) {
   kv.setEnableBlockReuse(o.enable_block_reuse);
   kv.setFreeGpuMemoryFraction(o.free_gpu_memory_fraction);
   if (o.max_tokens_in_kv_cache) kv.setMaxTokens(*o.max_tokens_in_kv_cache);
+  // The reuse tree's changes, for take_kv_events (cache-aware routing).
+  if (o.enable_block_reuse && o.kv_event_buffer > 0) kv.setEventBufferMaxSize(o.kv_event_buffer);
   tle::ExecutorConfig config;
   // Beam search only when asked for (max_beam_width), up to the width the engine was built
   // for: the executor sizes its buffers by it, for every request.
@@ -341,6 +344,44 @@ std::optional<TrtllmExecutor::BeamSearch> TrtllmExecutor::beam_search_of(Request
   const BeamSearch search = it->second;
   if (final) beam_searches_.erase(it);
   return search;
+}
+
+bool TrtllmExecutor::kv_events() const {
+  return options_.enable_block_reuse && options_.kv_event_buffer > 0;
+}
+
+KvCacheEvents TrtllmExecutor::take_kv_events(std::chrono::milliseconds timeout) {
+  KvCacheEvents out;
+  if (shut_down_.load() || !kv_events()) return out;
+  auto manager = executor_->getKVCacheEventManager();
+  if (!manager || !*manager) return out;
+  std::deque<tle::KVCacheEvent> events = (*manager)->getLatestEvents(timeout);  // no lock held
+  const std::int32_t block_size = options_.engine.config.tokens_per_block;
+  for (const tle::KVCacheEvent& e : events) {
+    // Ids run one by one; a jump means the buffer overflowed and events were dropped.
+    if (last_kv_event_id_ && e.eventId != *last_kv_event_id_ + 1) out.lost = true;
+    last_kv_event_id_ = e.eventId;
+    KvCacheEvent k;
+    if (const auto* stored = std::get_if<tle::KVCacheStoredData>(&e.data)) {
+      k.kind = KvCacheEvent::Kind::kStored;
+      k.parent_hash = stored->parentHash;
+      k.block_size = block_size;
+      for (const tle::KVCacheStoredBlockData& b : stored->blocks) {
+        k.block_hashes.push_back(b.blockHash);
+        for (const auto& t : b.tokens) k.tokens.push_back(t.tokenId);
+        if (b.loraId) k.adapter = *b.loraId;
+      }
+    } else if (const auto* removed = std::get_if<tle::KVCacheRemovedData>(&e.data)) {
+      k.kind = KvCacheEvent::Kind::kRemoved;
+      k.block_hashes.assign(removed->blockHashes.begin(), removed->blockHashes.end());
+    } else if (std::holds_alternative<tle::KVCacheCreatedData>(e.data)) {
+      k.kind = KvCacheEvent::Kind::kCleared;  // a new, empty cache
+    } else {
+      continue;  // a block's priority or cache level changed: it is still held
+    }
+    out.events.push_back(std::move(k));
+  }
+  return out;
 }
 
 void TrtllmExecutor::cancel(RequestId id) {

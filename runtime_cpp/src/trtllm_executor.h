@@ -29,6 +29,8 @@ struct TrtllmOptions {
   float free_gpu_memory_fraction = 0.9f;  // of what is free after the weights load
   std::optional<std::int32_t> max_tokens_in_kv_cache;
   bool enable_block_reuse = true;         // prefix caching
+  // KV-cache events kept for take_kv_events (KvCacheConfig's event buffer; 0: none).
+  std::size_t kv_event_buffer = 16384;
   std::string scheduler_policy = "guaranteed_no_evict";  // or max_utilization
   // Orchestrator mode (world size > 1): the executorWorker binary TensorRT-LLM spawns for
   // every rank; "" leaves TensorRT-LLM's default.
@@ -63,6 +65,8 @@ class TrtllmExecutor final : public Executor {
   void shutdown() override;
   std::int32_t load_adapter(AdapterId id, const std::string& path) override;
   void unload_adapter(AdapterId id) override;
+  bool kv_events() const override;
+  KvCacheEvents take_kv_events(std::chrono::milliseconds timeout) override;
 
  private:
   struct LoraStore;  // the adapters' weights, sent with the first request that uses each
@@ -79,6 +83,7 @@ class TrtllmExecutor final : public Executor {
   std::mutex prompt_mu_;
   std::unordered_map<RequestId, std::int32_t> prompt_tokens_;  // until the final
   std::unordered_map<RequestId, BeamSearch> beam_searches_;  // until the final
+  std::optional<std::uint64_t> last_kv_event_id_;  // take_kv_events' only (one caller)
   std::atomic<bool> shut_down_{false};
   std::unique_ptr<LoraStore> loras_;
 };

@@ -307,7 +307,7 @@ grpc::Status invalid_argument(const std::string& field, const std::string& messa
 
 WorkerService::WorkerService(Executor& executor, Dispatcher& dispatcher)
     : executor_(executor), dispatcher_(dispatcher), info_(executor.info()), adapters_(executor),
-      ticker_([this] { ticker(); }) {
+      kv_hub_(executor), ticker_([this] { ticker(); }) {
   dispatcher_.set_on_over([this](RequestId id) { adapters_.release(id); });
 }
 
@@ -384,6 +384,7 @@ grpc::ServerUnaryReactor* WorkerService::GetInfo(grpc::CallbackServerContext* co
   caps->set_beam_search(info_.max_beam_width > 1);
   caps->set_max_beam_width(static_cast<std::uint32_t>(info_.max_beam_width > 1 ? info_.max_beam_width : 0));
   for (const auto& a : adapters_.list()) fill_adapter(a, response->add_adapters());
+  response->set_kv_events(kv_hub_.enabled());
   // Known only once the engine has run where the engine sizes its cache at start-up.
   std::int32_t blocks = info_.kv_blocks_total;
   try {
@@ -470,6 +471,11 @@ void WorkerService::run_off_thread(std::function<void()> work) {
                                          done});
   }
   for (auto& t : finished) t.join();  // no lock held; each has returned already
+}
+
+grpc::ServerWriteReactor<wv1::KvEventBatch>* WorkerService::SubscribeKvEvents(
+    grpc::CallbackServerContext*, const wv1::SubscribeKvEventsRequest*) {
+  return kv_hub_.subscribe();
 }
 
 grpc::ServerWriteReactor<wv1::LoadReport>* WorkerService::StreamLoad(

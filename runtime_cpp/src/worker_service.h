@@ -17,6 +17,7 @@
 #include "adapters.h"
 #include "dispatcher.h"
 #include "executor.h"
+#include "kv_events_stream.h"
 #include "switchyard/worker/v1/worker.grpc.pb.h"
 
 namespace switchyard::rt {
@@ -53,6 +54,8 @@ class WorkerService final : public ::switchyard::worker::v1::Worker::CallbackSer
   grpc::ServerUnaryReactor* UnloadAdapter(grpc::CallbackServerContext* context,
                                           const wv1::UnloadAdapterRequest* request,
                                           wv1::UnloadAdapterResponse* response) override;
+  grpc::ServerWriteReactor<wv1::KvEventBatch>* SubscribeKvEvents(
+      grpc::CallbackServerContext* context, const wv1::SubscribeKvEventsRequest* request) override;
 
   // Fills a load report from the executor's latest iteration and the streams in flight.
   void fill_load(wv1::LoadReport* report);
@@ -87,6 +90,7 @@ class WorkerService final : public ::switchyard::worker::v1::Worker::CallbackSer
   std::chrono::steady_clock::time_point rate_at_{};
   std::uint64_t rate_tokens_ = 0;
   double rate_ = 0;
+  KvEventHub kv_hub_;   // its pump thread reads the executor's KV-cache events
   std::thread ticker_;  // last: starts once everything above exists
 };
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 
+#include "kv_events_stream.h"
 #include "sim_executor.h"
 
 namespace switchyard::rt {
@@ -169,6 +170,42 @@ TEST(SimExecutor, PrefixCacheSkipsPrefillOfKnownBlocks) {
   EXPECT_EQ(finals[id].cached_prompt_tokens, 64);
 }
 
+TEST(SimExecutor, KvEventsSayWhichBlocksItStoresAndEvicts) {
+  SimConfig c = virtual_config();
+  c.tokens_per_block = 4;
+  c.prefix_cache_blocks = 3;
+  SimExecutor sim(c);
+  EXPECT_TRUE(sim.kv_events());
+  std::map<RequestId, Tokens> tokens;
+  sim.enqueue(request({1, 2, 3, 4, 5, 6, 7, 8, 9}, 1));  // two full blocks and one token
+  run_all(sim, &tokens);
+  KvCacheEvents first = sim.take_kv_events(std::chrono::milliseconds(0));
+  EXPECT_FALSE(first.lost);
+  ASSERT_EQ(first.events.size(), 1u);
+  const KvCacheEvent& a = first.events[0];
+  EXPECT_EQ(a.kind, KvCacheEvent::Kind::kStored);
+  EXPECT_FALSE(a.parent_hash.has_value());
+  ASSERT_EQ(a.block_hashes.size(), 2u);
+  EXPECT_EQ(a.tokens, (Tokens{1, 2, 3, 4, 5, 6, 7, 8}));
+  EXPECT_EQ(a.block_size, 4);
+  // The same first block, then two new ones: stored after it; the cache holds three, so
+  // the least recently used (the first prompt's second block) goes.
+  sim.enqueue(request({1, 2, 3, 4, 9, 9, 9, 9, 8, 8, 8, 8}, 1));
+  run_all(sim, &tokens);
+  KvCacheEvents second = sim.take_kv_events(std::chrono::milliseconds(0));
+  ASSERT_EQ(second.events.size(), 2u);
+  const KvCacheEvent& b = second.events[0];
+  EXPECT_EQ(b.kind, KvCacheEvent::Kind::kStored);
+  EXPECT_EQ(b.parent_hash, std::optional<std::uint64_t>(a.block_hashes[0]));
+  EXPECT_EQ(b.block_hashes.size(), 2u);
+  EXPECT_EQ(b.tokens, (Tokens{9, 9, 9, 9, 8, 8, 8, 8}));
+  const KvCacheEvent& gone = second.events[1];
+  EXPECT_EQ(gone.kind, KvCacheEvent::Kind::kRemoved);
+  EXPECT_EQ(gone.block_hashes, (std::vector<std::uint64_t>{a.block_hashes[1]}));
+  // Nothing new: an empty answer once the timeout passes.
+  EXPECT_TRUE(sim.take_kv_events(std::chrono::milliseconds(1)).events.empty());
+}
+
 TEST(SimExecutor, PriorityOrdersTheQueue) {
   auto c = virtual_config();
   c.max_batch = 1;
@@ -267,6 +304,41 @@ TEST(SimExecutor, TrtllmEosConventionLeavesTheEndIdOut) {
   EXPECT_EQ(a[ia].back(), 2);
   ASSERT_EQ(b[ib].size() + 1, a[ia].size());
   EXPECT_TRUE(std::equal(b[ib].begin(), b[ib].end(), a[ia].begin()));
+}
+
+}  // namespace
+}  // namespace switchyard::rt
+
+namespace switchyard::rt {
+namespace {
+
+TEST(KvEvents, TheWireBatchSaysEveryKindAndALoss) {
+  KvCacheEvents found;
+  found.lost = true;
+  KvCacheEvent stored;
+  stored.block_hashes = {11, 12};
+  stored.parent_hash = 10;
+  stored.tokens = {1, 2, 3, 4};
+  stored.block_size = 2;
+  stored.adapter = 7;
+  KvCacheEvent removed;
+  removed.kind = KvCacheEvent::Kind::kRemoved;
+  removed.block_hashes = {10};
+  KvCacheEvent cleared;
+  cleared.kind = KvCacheEvent::Kind::kCleared;
+  found.events = {stored, removed, cleared};
+  const wv1::KvEventBatch batch = to_batch(found);
+  EXPECT_TRUE(batch.reset());  // events were lost before these: subscribers forget
+  ASSERT_EQ(batch.events_size(), 3);
+  const auto& s = batch.events(0).stored();
+  EXPECT_EQ(std::vector<std::uint64_t>(s.block_hashes().begin(), s.block_hashes().end()),
+            (std::vector<std::uint64_t>{11, 12}));
+  EXPECT_EQ(s.parent_block_hash(), 10u);
+  EXPECT_EQ(s.token_ids_size(), 4);
+  EXPECT_EQ(s.block_size(), 2u);
+  EXPECT_EQ(s.adapter(), "task-7");
+  EXPECT_EQ(batch.events(1).removed().block_hashes(0), 10u);
+  EXPECT_TRUE(batch.events(2).has_cleared());
 }
 
 }  // namespace
