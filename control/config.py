@@ -17,6 +17,7 @@ models:
     engine_args: {max_model_len: 2048}   # vllm: any of vLLM's AsyncEngineArgs
     workers: []             # addresses of remote workers; when set, none is started
     routing: least_load     # least_load | prefix_affinity | kv_aware | power_of_two | round_robin
+    kv_aware: {overlap_weight: 1, load_weight: 0.03, temperature: 0}   # with routing: kv_aware
     limits: {max_concurrency: 256, max_queue: 1024}
     health: {canary_interval_s: 5, canary_timeout_s: 2, failure_threshold: 3}
     discovery: {dns: workers.example:7001, interval_s: 10}   # every address behind a name
@@ -128,6 +129,8 @@ class ModelSpec:
     engine_args: dict[str, Any] = field(default_factory=dict)
     workers: tuple[str, ...] = ()
     routing: str = "least_load"
+    # kv_aware's cost weights and temperature (control/routing/kv_aware.py), as given
+    kv_aware: tuple[tuple[str, float], ...] = ()
     max_concurrency: int = 256
     max_queue: int = 1024
     canary_interval_s: float = 5.0
@@ -283,6 +286,7 @@ def parse_model(m: object, key: str) -> ModelSpec:
             "engine_args",
             "workers",
             "routing",
+            "kv_aware",
             "limits",
             "health",
             "discovery",
@@ -341,6 +345,13 @@ def parse_model(m: object, key: str) -> ModelSpec:
             f"{key}.routing",
             f"unknown policy {routing!r}; expected one of {', '.join(ROUTING_POLICIES)}",
         )
+    kv_aware = _section(m, "kv_aware", {"overlap_weight", "load_weight", "temperature"}, key)
+    if kv_aware and routing != "kv_aware":
+        raise ConfigError(f"{key}.kv_aware", f"only with routing: kv_aware (not {routing})")
+    kv_weights = tuple(
+        (name, float(_number(kv_aware, name, 0, f"{key}.kv_aware", allow_zero=True)))
+        for name in sorted(kv_aware)
+    )
     limits = _section(m, "limits", {"max_concurrency", "max_queue"}, key)
     health = _section(
         m, "health", {"canary_interval_s", "canary_timeout_s", "failure_threshold"}, key
@@ -361,6 +372,7 @@ def parse_model(m: object, key: str) -> ModelSpec:
         engine_args=dict(engine_args),
         workers=tuple(workers_raw),
         routing=routing,
+        kv_aware=kv_weights,
         max_concurrency=_number(limits, "max_concurrency", 256, f"{key}.limits", integer=True),
         max_queue=_number(
             limits, "max_queue", 1024, f"{key}.limits", integer=True, allow_zero=True

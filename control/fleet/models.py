@@ -38,7 +38,7 @@ class ModelEntry:
     refresh: Callable[[], Awaitable[None]] | None = None
 
     def __post_init__(self) -> None:
-        self.policy = make_policy(self.spec.routing)
+        self.policy = make_policy(self.spec.routing, dict(self.spec.kv_aware))
         for w in self.workers:
             w.kv_sink = self.kv_index
         self.metrics = ModelMetrics(self.spec.name)

@@ -17,6 +17,8 @@ candidates it is given (never empty). One policy per file, all behind `Policy`:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from control.routing.base import Candidate, Policy, RouteRequest, load_score
 from control.routing.kv_aware import KvAware
 from control.routing.least_load import LeastLoad
@@ -33,11 +35,13 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, options: Mapping[str, float] | None = None) -> Policy:
+    """The named policy, with its options (kv_aware's weights and temperature)."""
     try:
-        return POLICIES[name]()
+        cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}") from None
+    return cls(**options) if options else cls()
 
 
 __all__ = ["POLICIES", "Candidate", "Policy", "RouteRequest", "load_score", "make_policy"]

@@ -95,6 +95,15 @@ def test_full_model_spec(tmp_path: Path) -> None:
         ),
         ({"models": [model(engine="trtllm", model="/no/engine")]}, "models[0].model"),
         ({"models": [model(routing="fastest")]}, "models[0].routing"),
+        ({"models": [model(kv_aware={"load_weight": 1})]}, "models[0].kv_aware"),  # not kv_aware
+        (
+            {"models": [model(routing="kv_aware", kv_aware={"load_weight": -1})]},
+            "models[0].kv_aware.load_weight",
+        ),
+        (
+            {"models": [model(routing="kv_aware", kv_aware={"overlap": 1})]},
+            "models[0].kv_aware.overlap",
+        ),
         ({"models": [model(limits={"max_queue": -1})]}, "models[0].limits.max_queue"),
         ({"models": [model(limits={"max_concurrency": 0})]}, "models[0].limits.max_concurrency"),
         ({"models": [model(limits={"burst": 3})]}, "models[0].limits.burst"),
@@ -114,6 +123,21 @@ def test_bad_config_names_the_key(raw: object, key: str) -> None:
         parse_config(raw)
     assert info.value.key == key
     assert key in str(info.value)
+
+
+def test_kv_aware_takes_its_weights_from_the_models_config() -> None:
+    from control.routing import make_policy
+    from control.routing.kv_aware import LOAD_WEIGHT, KvAware
+
+    spec = parse_config(
+        {"models": [model(routing="kv_aware", kv_aware={"load_weight": 0.1, "temperature": 0})]}
+    ).models[0]
+    assert spec.kv_aware == (("load_weight", 0.1), ("temperature", 0.0))
+    policy = make_policy(spec.routing, dict(spec.kv_aware))
+    assert isinstance(policy, KvAware)
+    assert (policy.overlap_weight, policy.load_weight, policy.temperature) == (1.0, 0.1, 0.0)
+    plain = make_policy("kv_aware", {})
+    assert isinstance(plain, KvAware) and plain.load_weight == LOAD_WEIGHT
 
 
 def test_metrics_listen() -> None:
