@@ -13,10 +13,9 @@ engine's own sequence reaches every subscriber as a reset.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import structlog
@@ -90,11 +89,13 @@ class KvEvents:
         self._task: asyncio.Task[None] | None = None
 
     def start_once(self) -> None:
-        """Read the engine's events from now on (the first subscriber starts it)."""
+        """Read the engine's events from now on: at the server's start (so that the
+        socket is connected before the first subscriber's first prompt) and again by a
+        subscriber after a failure."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._read(), name="kv-events")
 
-    async def subscribe(self) -> AsyncIterator[Any]:
+    async def subscribe(self) -> AsyncGenerator[Any, None]:
         """Batches from now on, the first with reset set; ends when this subscriber
         falls behind (or the worker stops)."""
         queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=QUEUE_BATCHES)
@@ -114,10 +115,15 @@ class KvEvents:
                 queue.put_nowait(batch)
             except asyncio.QueueFull:  # fallen behind: its stream ends
                 self._subscribers.discard(queue)
-                with contextlib.suppress(asyncio.QueueEmpty):
-                    queue.get_nowait()
-                queue.put_nowait(None)
+                self._end(queue)
                 log.warning("kv-events subscriber fell behind; dropped")
+
+    @staticmethod
+    def _end(queue: asyncio.Queue[Any]) -> None:
+        """End a subscriber's stream: what it has not read is dropped."""
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(None)
 
     def handle(self, frames: list[bytes]) -> None:
         """One message from the engine's publisher."""
@@ -142,6 +148,7 @@ class KvEvents:
 
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.SUB)
+        failed = False
         try:
             sock.connect(self.endpoint)
             sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
@@ -153,6 +160,14 @@ class KvEvents:
                     log.warning("kv-events batch not understood", exc_info=True)
                     self._engine_sequence = None
                     self._publish(worker_pb2.KvEventBatch(reset=True))
+        except Exception:
+            failed = True
+            log.error("kv-events reader failed; subscribers are ended", exc_info=True)
+            raise
         finally:
             sock.close(linger=0)
             ctx.term()
+            if failed:  # their streams end; a new subscription starts the reader again
+                for queue in list(self._subscribers):
+                    self._subscribers.discard(queue)
+                    self._end(queue)

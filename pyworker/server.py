@@ -83,6 +83,8 @@ class WorkerServer:
             reservation.release()  # held while the engine started; bound again at once
         self.port = bind(self._server, self._address, self._credentials)
         await self._server.start()
+        if self.servicer.kv_events is not None:
+            self.servicer.kv_events.start_once()
         for name in HEALTH_SERVICES:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on", address=self._address, port=self.port)

@@ -9,6 +9,7 @@ status if it failed before its first token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -119,8 +120,9 @@ class WorkerServicer:
             )
             return
         self.kv_events.start_once()
-        async for batch in self.kv_events.subscribe():
-            await context.write(batch)
+        async with contextlib.aclosing(self.kv_events.subscribe()) as batches:
+            async for batch in batches:
+                await context.write(batch)
 
     async def LoadAdapter(self, request: Any, context: Context) -> Any:
         try:

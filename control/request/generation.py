@@ -311,6 +311,7 @@ class _Run:
                 prompt_ids=self.prompt_ids,
                 max_tokens=remaining_tokens * self.params.beam_width,  # every beam's
                 kv_block_size=self.entry.info.kv_block_size or 16,
+                adapter=self.params.adapter,
             )
             span = tracer.start_span(
                 "switchyard.route",

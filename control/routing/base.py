@@ -29,6 +29,7 @@ class RouteRequest:
     prompt_ids: Sequence[int]
     max_tokens: int
     kv_block_size: int = 16
+    adapter: str = ""  # the LoRA adapter: its blocks are not the base model's
 
 
 class Policy(Protocol):

@@ -14,9 +14,10 @@ to the one first in turn); above 0 a worker is drawn with probability proportion
 exp(-cost / (temperature * block_size * B)), which spreads requests among nearly equal
 workers.
 
-The index learns from the prompts it routes (the chosen worker is taken to hold them),
-for engines that report nothing; workers whose engines report KV-cache events feed the
-same index exactly (`KvIndex.stored` / `removed`).
+The index learns from the prompts it routes (the chosen worker is taken to hold them);
+workers whose engines report KV-cache events feed the same index exactly
+(`KvIndex.stored` / `removed`). A LoRA adapter's blocks are keyed apart from the base
+model's (the adapter's name salts the first block, as vLLM's events name it).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class KvAware:
         """Each candidate's cost, in tokens, in the candidates' order."""
         size = max(request.kv_block_size, 1)
         blocks = math.ceil(len(request.prompt_ids) / size)
-        keys = prompt_keys(request.prompt_ids, size)
+        keys = prompt_keys(request.prompt_ids, size, request.adapter)
         held = self.index.overlap(keys, (c.address for c in candidates))
         return [
             self.overlap_weight * (blocks - held[c.address]) * size
@@ -84,5 +85,6 @@ class KvAware:
             weights = [math.exp(-(c - low) / scale) for c in costs]
             chosen = candidates[self._rng.choices(range(len(candidates)), weights=weights)[0]]
         if self.learn:
-            self.index.learn(chosen.address, prompt_keys(request.prompt_ids, request.kv_block_size))
+            keys = prompt_keys(request.prompt_ids, request.kv_block_size, request.adapter)
+            self.index.learn(chosen.address, keys)
         return chosen

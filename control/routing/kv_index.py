@@ -10,9 +10,12 @@ Two ways in:
 - `stored` / `removed` / `cleared`: what an engine reports (KV-cache events carry each
   stored block's tokens and the engine's own hash of it; removals name the engine's
   hash only, so each worker's engine hashes map to keys here).
-- `learn`: the prompts this process routed, where a worker reports nothing (the
-  approximate tree SMG's cache-aware policy keeps): the chosen worker is taken to hold
-  the prompt's blocks from then on, until the bound pushes them out.
+- `learn`: the prompts this process routed (the approximate tree SMG's cache-aware policy
+  keeps): the chosen worker is taken to hold the prompt's blocks from then on, until the
+  bound pushes them out. This is all there is for a worker that reports nothing, and it
+  covers what a reporting engine held before its events were followed (engines announce
+  a block when they store it, not when a request hits it); a learned block the engine
+  evicts without this index knowing its engine hash stays until the bound pushes it out.
 
 Memory is bounded: at most `max_blocks` (worker, block) entries in all; beyond that the
 least recently stored or used go first. `overlap` counts, for each worker, how many of a
@@ -59,29 +62,21 @@ class KvIndex:
         self.max_blocks = max_blocks
         self._holders: dict[int, set[str]] = {}  # key -> workers holding it
         self._order: OrderedDict[tuple[str, int], None] = OrderedDict()  # oldest first
-        self._engine: dict[str, dict[int, int]] = {}  # worker -> engine hash -> key
-        self._followed: set[str] = set()  # workers whose engines' events come in
+        self._by_worker: dict[str, set[int]] = {}  # worker -> keys it holds
+        # worker -> engine hash -> key, for removals; bounded by what the engine holds (it
+        # reports each removal), not by max_blocks
+        self._engine: dict[str, dict[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self._order)
 
     def workers(self) -> set[str]:
-        return {w for w, _ in self._order}
+        return {w for w, keys in self._by_worker.items() if keys}
 
     def holds(self, worker: str, key: int) -> bool:
         return (worker, key) in self._order
 
     # ---- what engines report -----------------------------------------------------------
-
-    def follow(self, worker: str) -> None:
-        """The worker's events come in from now on: `learn` leaves it to them."""
-        self._followed.add(worker)
-
-    def unfollow(self, worker: str) -> None:
-        self._followed.discard(worker)
-
-    def followed(self, worker: str) -> bool:
-        return worker in self._followed
 
     def stored(
         self,
@@ -122,17 +117,15 @@ class KvIndex:
     def cleared(self, worker: str) -> None:
         """The worker holds nothing (its cache was cleared, it restarted, or its events
         had a gap and it will be filled again)."""
-        for w, key in [entry for entry in self._order if entry[0] == worker]:
-            self._discard(w, key)
+        for key in list(self._by_worker.get(worker, ())):
+            self._discard(worker, key)
+        self._by_worker.pop(worker, None)
         self._engine.pop(worker, None)
 
     # ---- what this process routed ------------------------------------------------------
 
     def learn(self, worker: str, keys: Sequence[int]) -> None:
-        """The worker now holds these blocks (it was sent a prompt that has them); not for
-        a worker whose events come in (they say what it holds)."""
-        if worker in self._followed:
-            return
+        """The worker now holds these blocks (it was sent a prompt that has them)."""
         for key in keys:
             self._add(worker, key)
 
@@ -159,6 +152,7 @@ class KvIndex:
             return
         self._order[entry] = None
         self._holders.setdefault(key, set()).add(worker)
+        self._by_worker.setdefault(worker, set()).add(key)
         while len(self._order) > self.max_blocks:
             old_worker, old_key = next(iter(self._order))
             self._discard(old_worker, old_key)
@@ -168,6 +162,7 @@ class KvIndex:
         if entry not in self._order:
             return
         del self._order[entry]
+        self._by_worker[worker].discard(key)
         holders = self._holders[key]
         holders.discard(worker)
         if not holders:

@@ -135,10 +135,6 @@ class KvSink(Protocol):
     """Where a worker's KV-cache events go (control.routing.kv_index.KvIndex): by the
     worker's address, and the engine's own block hashes."""
 
-    def follow(self, worker: str) -> None: ...  # its events come from now on
-
-    def unfollow(self, worker: str) -> None: ...  # they stopped coming
-
     def stored(
         self,
         worker: str,

@@ -124,14 +124,13 @@ async def watch_kv_events(worker: WorkerClient) -> None:
             async for batch in call:
                 if batch.reset:
                     sink.cleared(address)
-                    sink.follow(address)
                 for event in batch.events:
                     kind = event.WhichOneof("kind")
                     if kind == "stored":
                         s = event.stored
                         parent = s.parent_block_hash if s.HasField("parent_block_hash") else None
-                        # A parent announced before the subscription is unknown here: those
-                        # blocks are skipped (routing learns them from prompts meanwhile).
+                        # A parent stored before the subscription is unknown here: those
+                        # blocks are skipped (routing learns them from prompts).
                         sink.stored(address, s.block_hashes, parent, s.token_ids, s.block_size,
                                     s.adapter)  # fmt: skip
                     elif kind == "removed":
@@ -140,12 +139,10 @@ async def watch_kv_events(worker: WorkerClient) -> None:
                         sink.cleared(address)
         except grpc.aio.AioRpcError as e:
             log.info("kv events stream ended", worker=address, code=e.code().name)
-        except asyncio.CancelledError:
-            sink.unfollow(address)
-            sink.cleared(address)
-            raise
-        sink.unfollow(address)
-        sink.cleared(address)
+        except Exception:  # a fault of ours or a closed channel: this task goes on
+            log.warning("kv events stream failed", worker=address, exc_info=True)
+        finally:
+            sink.cleared(address)  # also when cancelled: nothing stale stays behind
         await asyncio.sleep(KV_RESUBSCRIBE_S)
 
 

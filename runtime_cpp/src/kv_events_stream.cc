@@ -158,6 +158,7 @@ grpc::ServerWriteReactor<wv1::KvEventBatch>* KvEventHub::subscribe() {
     s = std::make_shared<KvSubscriber>(grpc::Status(
         grpc::StatusCode::FAILED_PRECONDITION,
         "this worker's engine reports no KV-cache events (its prefix cache is off)"));
+    s->attach(s);
   } else {
     std::lock_guard<std::mutex> lock(mu_);
     wv1::KvEventBatch first;
@@ -165,10 +166,10 @@ grpc::ServerWriteReactor<wv1::KvEventBatch>* KvEventHub::subscribe() {
     first.set_reset(true);
     first.set_timestamp_s(now_s());
     s = std::make_shared<KvSubscriber>(this, std::move(first));
+    s->attach(s);
     subscribers_.push_back(s);
   }
-  s->attach(s);
-  s->start();
+  s->start();  // no lock held
   return s.get();
 }
 
@@ -183,12 +184,17 @@ void KvEventHub::pump() {
   std::vector<std::shared_ptr<KvSubscriber>> to;
   while (!stop_.load()) {
     KvCacheEvents events;
+    const auto asked = std::chrono::steady_clock::now();
     try {
       events = executor_.take_kv_events(kPumpWait);  // no lock held
     } catch (const std::exception&) {
       events.lost = true;  // what the engine could not say, subscribers must forget
     }
-    if (events.events.empty() && !events.lost) continue;
+    if (events.events.empty() && !events.lost) {
+      // An engine that answers at once with nothing (stopping, say) is not spun on.
+      std::this_thread::sleep_until(asked + kPumpWait);
+      continue;
+    }
     wv1::KvEventBatch batch = to_batch(events);
     batch.set_timestamp_s(now_s());
     {

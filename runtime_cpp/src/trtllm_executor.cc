@@ -34,7 +34,9 @@ tle::ExecutorConfig executor_config(const TrtllmOptions& o) {
   kv.setFreeGpuMemoryFraction(o.free_gpu_memory_fraction);
   if (o.max_tokens_in_kv_cache) kv.setMaxTokens(*o.max_tokens_in_kv_cache);
   // The reuse tree's changes, for take_kv_events (cache-aware routing).
-  if (o.enable_block_reuse && o.kv_event_buffer > 0) kv.setEventBufferMaxSize(o.kv_event_buffer);
+  if (o.enable_block_reuse && o.kv_event_buffer > 0 && e.config.world_size <= 1) {
+    kv.setEventBufferMaxSize(o.kv_event_buffer);
+  }
   tle::ExecutorConfig config;
   // Beam search only when asked for (max_beam_width), up to the width the engine was built
   // for: the executor sizes its buffers by it, for every request.
@@ -347,7 +349,9 @@ std::optional<TrtllmExecutor::BeamSearch> TrtllmExecutor::beam_search_of(Request
 }
 
 bool TrtllmExecutor::kv_events() const {
-  return options_.enable_block_reuse && options_.kv_event_buffer > 0;
+  // In orchestrator mode the model (and its cache) lives in the ranks' processes.
+  return options_.enable_block_reuse && options_.kv_event_buffer > 0 &&
+         options_.engine.config.world_size <= 1;
 }
 
 KvCacheEvents TrtllmExecutor::take_kv_events(std::chrono::milliseconds timeout) {

@@ -1,7 +1,7 @@
 """The control plane follows a worker's KV-cache events into its model's index: a scripted
 worker (a gRPC server speaking the worker API) streams batches; the index holds what they
-say, leaves learning to them while they come, and forgets the worker when its stream
-resets or breaks, until the next subscription says again."""
+say, and forgets the worker when its stream resets or breaks, until the next subscription
+says again."""
 
 from __future__ import annotations
 
@@ -90,9 +90,6 @@ async def test_the_index_follows_a_workers_events_and_forgets_it_on_a_break() ->
         # Two blocks stored, a third after them, then the third removed: two held.
         await until(lambda: scripted.subscriptions == 1 and len(index) == 2, "first events")
         assert index.overlap(keys, [address]) == {address: 2}
-        assert index.followed(address)
-        index.learn(address, keys)  # its events say what it holds, not the routed prompts
-        assert index.overlap(keys, [address]) == {address: 2}
         # The stream breaks: the worker is forgotten, then the next subscription refills it.
         scripted.release.set()
         await until(lambda: scripted.subscriptions == 2 and len(index) == 1, "resubscribed")
@@ -101,6 +98,6 @@ async def test_the_index_follows_a_workers_events_and_forgets_it_on_a_break() ->
         if watcher is not None:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
-        assert len(index) == 0 and not index.followed(address)  # closing forgets it
+        assert len(index) == 0  # closing forgets it
         await client.channel.close()
         await server.stop(None)
