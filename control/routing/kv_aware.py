@@ -59,32 +59,27 @@ class KvAware:
         self._rng = rng or random.Random()
         self._tie = itertools.count()
 
-    def costs(self, candidates: Sequence[Candidate], request: RouteRequest) -> list[float]:
-        """Each candidate's cost, in tokens, in the candidates' order."""
+    def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
         size = max(request.kv_block_size, 1)
         blocks = math.ceil(len(request.prompt_ids) / size)
-        keys = prompt_keys(request.prompt_ids, size, request.adapter)
+        keys = prompt_keys(request.prompt_ids, size, request.adapter)  # once per request
         held = self.index.overlap(keys, (c.address for c in candidates))
-        return [
+        # Each candidate's cost, in tokens, in the candidates' order.
+        costs = [
             self.overlap_weight * (blocks - held[c.address]) * size
             + self.load_weight * load_score(c) * TOKENS_PER_REQUEST_WEIGHT
             for c in candidates
         ]
-
-    def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
-        costs = self.costs(candidates, request)
         chosen: Candidate
         if self.temperature == 0:
             start = next(self._tie) % len(candidates)
             order = [*range(start, len(candidates)), *range(start)]
             chosen = candidates[min(order, key=lambda i: costs[i])]
         else:
-            size = max(request.kv_block_size, 1)
-            scale = self.temperature * size * max(1, math.ceil(len(request.prompt_ids) / size))
+            scale = self.temperature * size * max(1, blocks)
             low = min(costs)
             weights = [math.exp(-(c - low) / scale) for c in costs]
             chosen = candidates[self._rng.choices(range(len(candidates)), weights=weights)[0]]
         if self.learn:
-            keys = prompt_keys(request.prompt_ids, request.kv_block_size, request.adapter)
             self.index.learn(chosen.address, keys)
         return chosen

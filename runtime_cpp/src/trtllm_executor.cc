@@ -277,7 +277,7 @@ std::vector<GenResponse> TrtllmExecutor::await_responses(std::chrono::millisecon
         g.logprobs.assign(lp.end() - static_cast<std::ptrdiff_t>(n), lp.end());
       }
       g.is_final = result.isFinal;
-      if (std::optional<BeamSearch> search = beam_search_of(g.id, g.is_final)) {
+      if (std::optional<BeamSearch> search = beam_search_of(g.id)) {
         // Beam search (not streamed): every beam on the final response. The executor
         // gives no finish reason per beam: one shorter than max_tokens, of a request that
         // stops at the EOS, ended there. A request that timed out or was cancelled says so.
@@ -329,7 +329,7 @@ std::vector<GenResponse> TrtllmExecutor::await_responses(std::chrono::millisecon
         g.prompt_tokens = it->second;
         prompt_tokens_.erase(it);
       }
-      beam_searches_.erase(g.id);  // an error response never reached beam_search_of
+      beam_searches_.erase(g.id);  // a beam search's facts, however it ended
       // Reuse is counted in whole blocks; at least the last prompt token is computed.
       g.cached_prompt_tokens = std::max(0, std::min(g.cached_prompt_tokens, g.prompt_tokens - 1));
     }
@@ -338,14 +338,11 @@ std::vector<GenResponse> TrtllmExecutor::await_responses(std::chrono::millisecon
   return out;
 }
 
-std::optional<TrtllmExecutor::BeamSearch> TrtllmExecutor::beam_search_of(RequestId id,
-                                                                       bool final) {
+std::optional<TrtllmExecutor::BeamSearch> TrtllmExecutor::beam_search_of(RequestId id) {
   std::lock_guard<std::mutex> lock(prompt_mu_);
   auto it = beam_searches_.find(id);
   if (it == beam_searches_.end()) return std::nullopt;
-  const BeamSearch search = it->second;
-  if (final) beam_searches_.erase(it);
-  return search;
+  return it->second;
 }
 
 bool TrtllmExecutor::kv_events() const {

@@ -75,7 +75,7 @@ class TrtllmExecutor final : public Executor {
     bool end_id = false;  // the request stops at the EOS (not ignore_eos)
   };
   // A beam search's facts (forgotten with its final response); nullopt for others.
-  std::optional<BeamSearch> beam_search_of(RequestId id, bool final);
+  std::optional<BeamSearch> beam_search_of(RequestId id);
   const TrtllmOptions options_;
   std::unique_ptr<tensorrt_llm::executor::Executor> executor_;
   std::mutex stats_mu_;
