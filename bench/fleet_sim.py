@@ -18,13 +18,11 @@ import inspect
 import json
 import os
 import platform
-import random
 import shlex
 import statistics
 import sys
 import textwrap
 import time
-from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -34,10 +32,13 @@ from typing import Any
 
 import switchyard_runtime as rt
 
-from control.routing import POLICIES, Policy, RouteRequest, make_policy
+from bench.fleet_workload import TenantSpec, Workload, WorkloadSpec, describe, make_workload
+from control.routing import POLICIES, IndexedPolicy, Policy, RouteRequest, make_policy
+from control.routing.kv_index import KvIndex
 
 _NOW = timedelta(0)
-_FIRST_ORDINARY_TOKEN = 4  # the simulator leaves ids below this to special tokens
+
+__all__ = ["Result", "SimParams", "TenantSpec", "WorkloadSpec", "make_workload", "simulate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,48 +63,10 @@ class SimParams:
         return cfg
 
 
-@dataclass(frozen=True, slots=True)
-class WorkloadSpec:
-    """Shared-prefix traffic: each request is its group's system prompt plus a unique
-    suffix. Group popularity is Zipf with exponent `zipf` (0 is uniform)."""
-
-    requests: int = 20000
-    rate: float = 1000.0  # requests per second, Poisson; about round_robin's capacity
-    groups: int = 128
-    zipf: float = 0.0
-    prefix_tokens: int = 512
-    suffix_tokens: tuple[int, int] = (32, 128)
-    output_tokens: tuple[int, int] = (64, 256)
-    seed: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    spec: WorkloadSpec
-    prefixes: list[list[int]]
-    arrival_us: array[float]
-    group: array[int]
-    suffix: list[array[int]]
-    max_tokens: array[int]
-
-
-def make_workload(spec: WorkloadSpec, vocab_size: int = 32000) -> Workload:
-    rng = random.Random(spec.seed)
-    tok = range(_FIRST_ORDINARY_TOKEN, vocab_size)
-    prefixes = [rng.choices(tok, k=spec.prefix_tokens) for _ in range(spec.groups)]
-    weights = [1.0 / (g + 1) ** spec.zipf for g in range(spec.groups)]
-    arrival_us: array[float] = array("d")
-    group: array[int] = array("i")
-    suffix: list[array[int]] = []
-    max_tokens: array[int] = array("i")
-    t = 0.0
-    for _ in range(spec.requests):
-        t += rng.expovariate(spec.rate) * 1e6
-        arrival_us.append(t)
-        group.append(rng.choices(range(spec.groups), weights)[0])
-        suffix.append(array("i", rng.choices(tok, k=rng.randint(*spec.suffix_tokens))))
-        max_tokens.append(rng.randint(*spec.output_tokens))
-    return Workload(spec, prefixes, arrival_us, group, suffix, max_tokens)
+# The tenants' traffic has prompts of up to 3,500 tokens, so its workers get four times the
+# memory (131k tokens, about 64 requests of 2,000) and a prefix cache of 65k tokens: the
+# cache holds a share of the conversations, not all of them.
+TENANT_SIM = SimParams(kv_blocks=8192, prefix_cache_blocks=4096)
 
 
 class SimWorker:
@@ -117,6 +80,7 @@ class SimWorker:
         self.in_flight = 0  # the simulation's own count, exact
         self.in_flight_tokens = 0  # prompt plus remaining output tokens of those
         self.in_flight_at_report = 0  # in_flight when running and waiting were read
+        self.prefill_tokens = 0  # prompt tokens of in-flight requests with no token yet
         self.sim: Any = rt.SimExecutor(params.sim_config())
         self.t = 0.0  # this worker's clock, µs
         self.live: dict[int, int] = {}  # simulator request id -> request index
@@ -159,14 +123,22 @@ def simulate(
     n_workers: int,
     params: SimParams | None = None,
     seed: int = 0,
+    policy: Policy | None = None,
+    cached_out: list[int] | None = None,
+    ttft_out: list[float] | None = None,
 ) -> Result:
-    """Route `workload` over `n_workers` simulated workers with the named policy."""
+    """Route `workload` over `n_workers` simulated workers with the named policy (or the
+    given one). `cached_out` and `ttft_out`, if given, get each request's cached prompt
+    tokens and TTFT in ms, by request index."""
     params = params or SimParams()
-    policy = build_policy(policy_name, seed)
+    policy = policy or build_policy(policy_name, seed)
+    # A policy that follows KV-cache events gets every simulator's, as the control plane
+    # feeds it the workers' SubscribeKvEvents streams.
+    index = policy.index if isinstance(policy, IndexedPolicy) and policy.follows_events else None
     started = time.perf_counter()
     workers = [SimWorker(i, params) for i in range(n_workers)]
-    n = workload.spec.requests
-    arrival, group, max_tokens = workload.arrival_us, workload.group, workload.max_tokens
+    n = workload.requests
+    arrival, max_tokens = workload.arrival_us, workload.max_tokens
     prompt_len = [0] * n
     remaining = [0] * n
     first_us = [-1.0] * n
@@ -179,7 +151,7 @@ def simulate(
         if next_arrival < n and (not busy or arrival[next_arrival] <= busy[0][0]):
             k = next_arrival
             next_arrival += 1
-            prompt = workload.prefixes[group[k]] + workload.suffix[k].tolist()
+            prompt = workload.prompt(k)
             chosen = policy.choose(
                 workers, RouteRequest(prompt, max_tokens[k], params.tokens_per_block)
             )
@@ -190,6 +162,7 @@ def simulate(
             remaining[k] = max_tokens[k]
             chosen.in_flight += 1
             chosen.in_flight_tokens += len(prompt) + max_tokens[k]
+            chosen.prefill_tokens += len(prompt)
             per_worker[chosen.index] += 1
             if chosen.in_flight == 1:  # it was idle: its clock jumps to now
                 chosen.t = max(chosen.t, arrival[k])
@@ -204,6 +177,8 @@ def simulate(
         for r in w.sim.await_responses(_NOW):
             k = w.live[r.id]
             got = len(r.tokens)
+            if first_us[k] < 0 and (got or r.is_final):
+                w.prefill_tokens -= prompt_len[k]
             if first_us[k] < 0 and got:
                 first_us[k] = w.t
             output_tokens += got
@@ -215,8 +190,12 @@ def simulate(
                 w.in_flight_tokens -= prompt_len[k] + remaining[k]
                 prompt_tokens += r.prompt_tokens
                 cached_tokens += r.cached_prompt_tokens
+                if cached_out is not None:
+                    cached_out[k] = r.cached_prompt_tokens
                 done += 1
                 end_us = max(end_us, w.t)
+        if index is not None:
+            feed_events(index, w)
         stats = w.sim.latest_stats()
         w.running, w.waiting = stats.active_requests, stats.queued_requests
         w.in_flight_at_report = w.in_flight
@@ -224,6 +203,8 @@ def simulate(
             heapq.heappush(busy, (w.t, i))
     wall_s = time.perf_counter() - started
     ttft = [(first_us[k] - arrival[k]) / 1000.0 for k in range(n) if first_us[k] >= 0]
+    if ttft_out is not None:
+        ttft_out[:] = [(first_us[k] - arrival[k]) / 1000.0 for k in range(n)]
     pct = statistics.quantiles(ttft, n=100, method="inclusive") if len(ttft) > 1 else [nan] * 99
     makespan_s = end_us / 1e6
     return Result(
@@ -244,6 +225,20 @@ def simulate(
         min_worker_requests=min(per_worker),
         wall_s=wall_s,
     )
+
+
+def feed_events(index: KvIndex, w: SimWorker) -> None:
+    """The simulator's KV-cache events since the last call, into the index."""
+    got = w.sim.take_kv_events(_NOW)
+    if got.lost:
+        index.cleared(w.address)
+    for e in got.events:
+        if e.kind == "stored":
+            index.stored(w.address, e.block_hashes, e.parent_hash, e.tokens, e.block_size)
+        elif e.kind == "removed":
+            index.removed(w.address, e.block_hashes)
+        else:
+            index.cleared(w.address)
 
 
 COLUMNS = "policy|output tok/s|req/s|TTFT p50 ms|TTFT p99 ms|prefix-cache hit rate|sim wall s"
@@ -321,13 +316,12 @@ def machine() -> dict[str, str]:
     return {"nproc": nproc, "cpu": cpu, "python": platform.python_version()}
 
 
-def report(command: str, spec: WorkloadSpec, p: SimParams, results: Sequence[Result]) -> str:
+def report(
+    command: str, spec: WorkloadSpec | TenantSpec, p: SimParams, results: Sequence[Result]
+) -> str:
     """The markdown report of one run."""
     m = machine()
     n_workers = results[0].workers
-    lo_s, hi_s = spec.suffix_tokens
-    lo_o, hi_o = spec.output_tokens
-    popularity = "uniform" if spec.zipf == 0 else f"Zipf, exponent {spec.zipf}"
     return reflow(f"""# Fleet simulation: routing policies on {n_workers} simulated workers
 
 `bench/fleet_sim.py` compares the control plane's routing policies without processes or
@@ -349,11 +343,7 @@ not measurements of any GPU or engine.
   wait in FIFO order.
 - Prefix cache: an LRU of {p.prefix_cache_blocks} full prompt blocks per worker; a prompt
   whose leading blocks are cached skips their prefill.
-- Workload: {spec.requests} requests, Poisson arrivals at {spec.rate:g} requests/s (seed
-  {spec.seed}). {spec.groups} prefix groups ({popularity}), each a
-  {spec.prefix_tokens}-token system prompt; a request is its group's prefix plus a unique
-  {lo_s}-{hi_s} token suffix and asks for {lo_o}-{hi_o} output tokens. Every policy gets
-  the same arrivals.
+- Workload: {describe(spec)} Every policy gets the same arrivals.
 - Event loop: each worker has its own clock; the next event is the next arrival or an
   iteration of the busy worker whose clock is furthest behind. A request is routed with
   each worker's running/waiting counts from its latest iteration and the simulation's
@@ -415,12 +405,23 @@ def reflow(md: str, width: int = 90) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     fmt = argparse.RawDescriptionHelpFormatter
     ap = argparse.ArgumentParser("python -m bench.fleet_sim", None, __doc__, formatter_class=fmt)
-    d = WorkloadSpec()
+    d, t = WorkloadSpec(), TenantSpec()
+    ap.add_argument(
+        "--workload",
+        choices=("tenants", "groups"),
+        default="tenants",
+        help="tenants: system prompts, multi-turn conversations and one-off prompts "
+        "(default); groups: shared prefixes plus unique suffixes",
+    )
     ap.add_argument("--workers", type=int, default=64)
-    ap.add_argument("--requests", type=int, default=d.requests)
-    ap.add_argument("--rate", type=float, default=d.rate, help="arrivals per second")
-    ap.add_argument("--groups", type=int, default=d.groups, help="prefix groups")
-    ap.add_argument("--zipf", type=float, default=d.zipf, help="group popularity; 0: uniform")
+    ap.add_argument("--requests", type=int, help=f"default {t.requests} (groups: {d.requests})")
+    ap.add_argument("--rate", type=float, help=f"arrivals/s; default {t.rate:g} ({d.rate:g})")
+    ap.add_argument("--groups", type=int, default=d.groups, help="groups: prefix groups")
+    ap.add_argument("--zipf", type=float, default=d.zipf, help="groups: popularity; 0 uniform")
+    ap.add_argument("--tenants", type=int, default=t.tenants, help="tenants: how many")
+    ap.add_argument(
+        "--unique-share", type=float, default=t.unique_share, help="tenants: one-off prompts"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--policies",
@@ -433,10 +434,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, help="write the report here")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
-    spec = WorkloadSpec(
-        requests=args.requests, rate=args.rate, groups=args.groups, zipf=args.zipf, seed=args.seed
-    )
-    params = SimParams()
+    spec: WorkloadSpec | TenantSpec
+    if args.workload == "groups":
+        spec = WorkloadSpec(
+            requests=args.requests or d.requests,
+            rate=args.rate or d.rate,
+            groups=args.groups,
+            zipf=args.zipf,
+            seed=args.seed,
+        )
+    else:
+        spec = TenantSpec(
+            requests=args.requests or t.requests,
+            rate=args.rate or t.rate,
+            tenants=args.tenants,
+            unique_share=args.unique_share,
+            seed=args.seed,
+        )
+    params = SimParams() if args.workload == "groups" else TENANT_SIM
     workload = make_workload(spec, params.vocab_size)
     widths = [max(len(c), 12) for c in COLUMNS.split("|")]
     widths[0] = max(map(len, args.policies))

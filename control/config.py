@@ -16,8 +16,9 @@ models:
     replicas: 1             # local worker processes to start
     engine_args: {max_model_len: 2048}   # vllm: any of vLLM's AsyncEngineArgs
     workers: []             # addresses of remote workers; when set, none is started
-    routing: least_load     # least_load | prefix_affinity | kv_aware | power_of_two | round_robin
-    kv_aware: {overlap_weight: 1, load_weight: 0.03, temperature: 0}   # with routing: kv_aware
+    routing: kv_aware       # kv_aware | least_load | prefix_affinity | power_of_two | round_robin
+                            # (default: kv_aware if the workers report KV events, else least_load)
+    kv_aware: {overlap_weight: 1, prefill_weight: 1, load_weight: 0.01, temperature: 0}
     limits: {max_concurrency: 256, max_queue: 1024}
     health: {canary_interval_s: 5, canary_timeout_s: 2, failure_threshold: 3}
     discovery: {dns: workers.example:7001, interval_s: 10}   # every address behind a name
@@ -37,7 +38,17 @@ from typing import Any
 import yaml
 
 ENGINES = ("vllm", "trtllm", "sim")
-ROUTING_POLICIES = ("least_load", "prefix_affinity", "kv_aware", "power_of_two", "round_robin")
+ROUTING_POLICIES = (
+    "least_load",
+    "prefix_affinity",
+    "kv_aware",
+    "power_of_two",
+    "round_robin",
+    # Baselines for kv_aware: Dynamo's published cost formula and SMG's cache-aware
+    # thresholds, reimplemented (control/routing/dynamo_cost.py, cache_aware.py).
+    "dynamo_cost",
+    "cache_aware",
+)
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny",)
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -128,7 +139,9 @@ class ModelSpec:
     replicas: int = 1
     engine_args: dict[str, Any] = field(default_factory=dict)
     workers: tuple[str, ...] = ()
-    routing: str = "least_load"
+    # The policy; "" is the default: kv_aware where the workers report KV-cache events,
+    # least_load where they do not (ModelEntry decides, from the workers' GetInfo).
+    routing: str = ""
     # kv_aware's cost weights and temperature (control/routing/kv_aware.py), as given
     kv_aware: tuple[tuple[str, float], ...] = ()
     max_concurrency: int = 256
@@ -339,14 +352,16 @@ def parse_model(m: object, key: str) -> ModelSpec:
         _check_vllm_engine_args(engine_args, f"{key}.engine_args")
     else:
         _check_cpp_engine_args(engine, engine_args, f"{key}.engine_args")
-    routing = m.get("routing", "least_load")
-    if routing not in ROUTING_POLICIES:
+    routing = m.get("routing", "")
+    if routing != "" and routing not in ROUTING_POLICIES:
         raise ConfigError(
             f"{key}.routing",
             f"unknown policy {routing!r}; expected one of {', '.join(ROUTING_POLICIES)}",
         )
-    kv_aware = _section(m, "kv_aware", {"overlap_weight", "load_weight", "temperature"}, key)
-    if kv_aware and routing != "kv_aware":
+    kv_aware = _section(
+        m, "kv_aware", {"overlap_weight", "load_weight", "prefill_weight", "temperature"}, key
+    )
+    if kv_aware and routing not in ("kv_aware", ""):
         raise ConfigError(f"{key}.kv_aware", f"only with routing: kv_aware (not {routing})")
     kv_weights = tuple(
         (name, float(_number(kv_aware, name, 0, f"{key}.kv_aware", allow_zero=True)))

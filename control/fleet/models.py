@@ -12,8 +12,7 @@ from control.errors import ModelNotFound, NoHealthyWorker
 from control.fleet.admission import Admission
 from control.fleet.supervisor import LocalWorker
 from control.metrics import ModelMetrics
-from control.routing import Policy, RouteRequest, make_policy
-from control.routing.kv_aware import KvAware
+from control.routing import IndexedPolicy, Policy, RouteRequest, default_policy, make_policy
 from control.routing.kv_index import KvIndex
 from control.text.params import ModelLimits
 from control.text.tokenizer import Tokenizer
@@ -38,7 +37,10 @@ class ModelEntry:
     refresh: Callable[[], Awaitable[None]] | None = None
 
     def __post_init__(self) -> None:
-        self.policy = make_policy(self.spec.routing, dict(self.spec.kv_aware))
+        routing = self.spec.routing or default_policy(self.info.kv_events)
+        self.policy = make_policy(
+            routing, dict(self.spec.kv_aware) if routing == "kv_aware" else None
+        )
         for w in self.workers:
             w.kv_sink = self.kv_index
         self.metrics = ModelMetrics(self.spec.name)
@@ -52,8 +54,10 @@ class ModelEntry:
 
     @property
     def kv_index(self) -> KvIndex | None:
-        """The index its routing reads, fed by its workers' KV-cache events."""
-        return self.policy.index if isinstance(self.policy, KvAware) else None
+        """The index its routing reads, fed by its workers' KV-cache events (None: its
+        policy follows no events)."""
+        p = self.policy
+        return p.index if isinstance(p, IndexedPolicy) and p.follows_events else None
 
     @property
     def limits(self) -> ModelLimits:

@@ -50,7 +50,6 @@ def router_config(listen: str, models: Sequence[tuple[ModelSpec, Sequence[str]]]
             "name": spec.name,
             "engine": spec.engine,
             "model": spec.model,
-            "routing": spec.routing,
             "limits": {"max_concurrency": spec.max_concurrency, "max_queue": spec.max_queue},
             "health": {
                 "canary_interval_s": spec.canary_interval_s,
@@ -59,6 +58,10 @@ def router_config(listen: str, models: Sequence[tuple[ModelSpec, Sequence[str]]]
             },
             "worker_stream": spec.worker_stream,
         }
+        if spec.routing:
+            m["routing"] = spec.routing
+        if spec.kv_aware:
+            m["kv_aware"] = dict(spec.kv_aware)
         if spec.chat_template is not None:
             m["chat_template"] = spec.chat_template
         if spec.worker_tls is not None:

@@ -316,7 +316,7 @@ class _Run:
             span = tracer.start_span(
                 "switchyard.route",
                 context=self.trace,
-                attributes={"switchyard.policy": self.entry.spec.routing},
+                attributes={"switchyard.policy": self.entry.policy.name},
             )
             try:
                 worker = self.entry.pick_worker(route, tried, self.params.adapter)
@@ -425,7 +425,7 @@ class _Run:
         wreq.tracestate = headers.get("tracestate", "")
         generated_before = len(self.generated)
         cost = len(context) + remaining_tokens * p.beam_width
-        call = worker.generate(wreq, timeout, cost_tokens=cost)
+        call = worker.generate(wreq, timeout, cost_tokens=cost, prompt_tokens=len(context))
         try:
             async with call as events:
                 async for resp in events:

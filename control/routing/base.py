@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from control.routing.kv_index import KvIndex
 
 
 class Candidate(Protocol):
@@ -22,6 +25,8 @@ class Candidate(Protocol):
     def in_flight_tokens(self) -> int: ...  # their prompt plus remaining output tokens
     @property
     def in_flight_at_report(self) -> int: ...  # in_flight when the latest report came
+    @property
+    def prefill_tokens(self) -> int: ...  # prompt tokens of those with no token back yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,3 +56,16 @@ def load_score(c: Candidate) -> float:
     since = c.in_flight - c.in_flight_at_report
     requests = max(c.running + c.waiting + since, c.in_flight)
     return requests + c.in_flight_tokens / TOKENS_PER_REQUEST_WEIGHT
+
+
+@runtime_checkable
+class IndexedPolicy(Protocol):
+    """A policy that routes by an index of the blocks each worker holds. With
+    `follows_events`, the control plane feeds the index its workers' KV-cache events;
+    without, the policy learns it from the prompts it routes alone."""
+
+    name: str
+    index: KvIndex
+    follows_events: bool
+
+    def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate: ...

@@ -4,12 +4,15 @@ blocks it would have to compute and the work it already has.
 For a prompt of B blocks (the last one partial or not) and a candidate w that holds its
 first o_w blocks (`kv_index.KvIndex.overlap`), in tokens:
 
-    cost(w) = overlap_weight * (B - o_w) * block_size                (prefill still to do)
+    cost(w) = overlap_weight * (B - o_w) * block_size             (its own prefill to do)
+            + prefill_weight * prefill_tokens(w)                     (prefill queued ahead)
             + load_weight * load_score(w) * TOKENS_PER_REQUEST_WEIGHT  (work already there)
 
-`load_score` is the same as least load's (running and waiting requests, with this
-process's own since the last report, plus their tokens), so with nothing cached anywhere
-this is least load. With `temperature` 0 the cheapest worker takes the request (ties go
+`prefill_tokens` are the prompt tokens of this process's requests on w that have had no
+token back yet: the prefill a new request waits behind for its first token. `load_score`
+is least load's (running and waiting requests, with this process's own since the last
+report, plus their tokens), so with nothing cached anywhere and nothing queued this is
+least load. With `temperature` 0 the cheapest worker takes the request (ties go
 to the one first in turn); above 0 a worker is drawn with probability proportional to
 exp(-cost / (temperature * block_size * B)), which spreads requests among nearly equal
 workers.
@@ -30,28 +33,32 @@ from collections.abc import Sequence
 from control.routing.base import TOKENS_PER_REQUEST_WEIGHT, Candidate, RouteRequest, load_score
 from control.routing.kv_index import KvIndex, prompt_keys
 
-# A running request weighs about 31 tokens of prefill (1024 x 0.03): on the fleet
-# simulation (bench/fleet_sim.py, 16 and 64 workers, 128 shared 512-token prefixes) 0.01 to
-# 0.1 beat prefix affinity on TTFT p99 and hit rate; 1.0 (a request as 1024 tokens) kept too
-# little of the cache, 0.003 too little of the balance (docs/kv-routing.md).
-LOAD_WEIGHT = 0.03
+# A running request weighs about 10 tokens of prefill (1024 x 0.01), a queued prompt token
+# one: on the fleet simulation (bench/fleet_sim.py, 64 workers, tenants' conversations)
+# these gave the lowest TTFT p99; a request as 1024 tokens (1.0) kept too little of the
+# cache, 0.003 too little of the balance (docs/kv-routing.md has the sweeps).
+LOAD_WEIGHT = 0.01
+PREFILL_WEIGHT = 1.0
 
 
 class KvAware:
     name = "kv_aware"
+    follows_events = True
 
     def __init__(
         self,
         overlap_weight: float = 1.0,
         load_weight: float = LOAD_WEIGHT,
         temperature: float = 0.0,
+        prefill_weight: float = PREFILL_WEIGHT,
         index: KvIndex | None = None,
         learn: bool = True,
         rng: random.Random | None = None,
     ) -> None:
-        if overlap_weight < 0 or load_weight < 0 or temperature < 0:
+        if min(overlap_weight, load_weight, temperature, prefill_weight) < 0:
             raise ValueError("kv_aware weights and temperature must be >= 0")
         self.overlap_weight = overlap_weight
+        self.prefill_weight = prefill_weight
         self.load_weight = load_weight
         self.temperature = temperature
         self.index = index if index is not None else KvIndex()
@@ -67,6 +74,7 @@ class KvAware:
         # Each candidate's cost, in tokens, in the candidates' order.
         costs = [
             self.overlap_weight * (blocks - held[c.address]) * size
+            + self.prefill_weight * c.prefill_tokens
             + self.load_weight * load_score(c) * TOKENS_PER_REQUEST_WEIGHT
             for c in candidates
         ]

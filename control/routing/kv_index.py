@@ -73,6 +73,10 @@ class KvIndex:
     def workers(self) -> set[str]:
         return {w for w, keys in self._by_worker.items() if keys}
 
+    def held(self, worker: str) -> int:
+        """How many blocks the worker holds."""
+        return len(self._by_worker.get(worker, ()))
+
     def holds(self, worker: str, key: int) -> bool:
         return (worker, key) in self._order
 

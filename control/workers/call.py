@@ -118,10 +118,12 @@ class WorkerCall:
         start: Callable[[], EventSource],
         cost_tokens: int,
         adapter: str = "",
+        prompt_tokens: int = 0,
     ) -> None:
         self._worker = worker
         self._start = start
         self._cost = cost_tokens
+        self._prefill = prompt_tokens  # counted on the worker until the first message
         self.adapter = adapter  # the LoRA adapter it uses ("" for none)
         self._source: EventSource | None = None
         self._ejected = False
@@ -135,6 +137,7 @@ class WorkerCall:
         w = self._worker
         w.in_flight += 1
         w.in_flight_tokens += self._cost
+        w.prefill_tokens += self._prefill
         w.calls.add(self)
         try:
             self._source = self._start()
@@ -171,12 +174,19 @@ class WorkerCall:
             w.calls.discard(self)
             w.in_flight -= 1
             w.in_flight_tokens -= self._cost
+            self._prefilled()
+
+    def _prefilled(self) -> None:
+        if self._prefill:
+            self._worker.prefill_tokens -= self._prefill
+            self._prefill = 0
 
     async def _events(self) -> AsyncIterator[Any]:
         assert self._source is not None
         address = self._worker.address
         try:
             async for message in self._source:
+                self._prefilled()
                 if message.HasField("final"):
                     final = message.final
                     if final.finish_reason == _ERROR:

@@ -187,6 +187,7 @@ class WorkerClient:
         self.in_flight = 0
         self.in_flight_tokens = 0
         self.in_flight_at_report = 0  # in_flight when `load` was reported
+        self.prefill_tokens = 0  # prompt tokens of the calls with no message back yet
         self.adapters: set[str] = set()  # the LoRA adapters it holds, as far as we know
         self.load = Load()
         self.breaker = CircuitBreaker(failure_threshold=self.health_policy.failure_threshold)
@@ -197,12 +198,17 @@ class WorkerClient:
         self._stream: StreamSession | None = None
 
     def generate(
-        self, request: worker_pb2.GenerateRequest, timeout: float | None, cost_tokens: int = 0
+        self,
+        request: worker_pb2.GenerateRequest,
+        timeout: float | None,
+        cost_tokens: int = 0,
+        prompt_tokens: int = 0,
     ) -> WorkerCall:
         """One generation, as `async with worker.generate(...) as events`: on the worker's
         shared GenerateStream when it has one, else as its own Generate call. The call
-        counts itself in flight (`cost_tokens` of prompt plus output) while it runs and
-        raises `WorkerCallFailed` for every way it can fail."""
+        counts itself in flight (`cost_tokens` of prompt plus output) while it runs, and
+        its `prompt_tokens` as prefill until its first message; it raises
+        `WorkerCallFailed` for every way it can fail."""
         if self.health_policy.worker_stream and self.info and self.info.generate_stream:
             if self._stream is None:
                 self._stream = StreamSession(
@@ -210,7 +216,11 @@ class WorkerClient:
                 )
             stream = self._stream
             return WorkerCall(
-                self, lambda: stream.open(request, timeout), cost_tokens, request.adapter
+                self,
+                lambda: stream.open(request, timeout),
+                cost_tokens,
+                request.adapter,
+                prompt_tokens,
             )
         # Generate keys requests by request_id on the worker: make each attempt's unique.
         request.request_id = f"{request.request_id}~{next(self._attempts)}"
@@ -219,6 +229,7 @@ class WorkerClient:
             lambda: self.stub.Generate(request, timeout=timeout),
             cost_tokens,
             request.adapter,
+            prompt_tokens,
         )
 
     @property

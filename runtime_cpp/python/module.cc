@@ -108,6 +108,27 @@ PYBIND11_MODULE(switchyard_runtime, m) {
 
   py::register_exception<InvalidRequest>(m, "InvalidRequest", PyExc_ValueError);
 
+  // KV-cache events: what the engine's prefix cache stored and removed (the fleet
+  // simulation feeds them to the routing index, as the worker's SubscribeKvEvents does).
+  py::class_<KvCacheEvent>(m, "KvCacheEvent")
+      .def_property_readonly("kind",
+                             [](const KvCacheEvent& e) {
+                               switch (e.kind) {
+                                 case KvCacheEvent::Kind::kStored: return "stored";
+                                 case KvCacheEvent::Kind::kRemoved: return "removed";
+                                 case KvCacheEvent::Kind::kCleared: return "cleared";
+                               }
+                               return "unknown";
+                             })
+      .def_readonly("block_hashes", &KvCacheEvent::block_hashes)
+      .def_readonly("parent_hash", &KvCacheEvent::parent_hash)
+      .def_readonly("tokens", &KvCacheEvent::tokens)
+      .def_readonly("block_size", &KvCacheEvent::block_size);
+
+  py::class_<KvCacheEvents>(m, "KvCacheEvents")
+      .def_readonly("events", &KvCacheEvents::events)
+      .def_readonly("lost", &KvCacheEvents::lost);
+
   py::class_<Executor>(m, "Executor")
       .def("enqueue", &Executor::enqueue, py::arg("request"))
       .def("await_responses", &Executor::await_responses, py::arg("timeout"),
@@ -116,6 +137,9 @@ PYBIND11_MODULE(switchyard_runtime, m) {
       .def("latest_stats", &Executor::latest_stats)
       .def("can_enqueue", &Executor::can_enqueue)
       .def("info", &Executor::info)
+      .def("kv_events", &Executor::kv_events)
+      .def("take_kv_events", &Executor::take_kv_events, py::arg("timeout"),
+           py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Executor::shutdown, py::call_guard<py::gil_scoped_release>());
 
   py::class_<SimConfig>(m, "SimConfig")

@@ -50,6 +50,7 @@ class W:
     in_flight: int = 0
     in_flight_tokens: int = 0
     in_flight_at_report: int = 0
+    prefill_tokens: int = 0
 
 
 REQ = RouteRequest(prompt_ids=list(range(100)), max_tokens=10, kv_block_size=16)

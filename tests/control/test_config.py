@@ -95,7 +95,10 @@ def test_full_model_spec(tmp_path: Path) -> None:
         ),
         ({"models": [model(engine="trtllm", model="/no/engine")]}, "models[0].model"),
         ({"models": [model(routing="fastest")]}, "models[0].routing"),
-        ({"models": [model(kv_aware={"load_weight": 1})]}, "models[0].kv_aware"),  # not kv_aware
+        (
+            {"models": [model(routing="least_load", kv_aware={"load_weight": 1})]},
+            "models[0].kv_aware",
+        ),
         (
             {"models": [model(routing="kv_aware", kv_aware={"load_weight": -1})]},
             "models[0].kv_aware.load_weight",

@@ -118,11 +118,18 @@ def test_kv_aware_prefers_the_worker_holding_the_prompt_until_its_load_outweighs
     # though another worker is as idle.
     again = [policy.choose(ws, RouteRequest([*system, 2000 + i], 8, 16)) for i in range(5)]
     assert {w.address for w in again} == {first.address}
-    # One running request (about 31 tokens of work) weighs less than 64 cached tokens ...
-    first.running = 1
+    # Six running requests (about 10 tokens of work each) weigh less than 64 cached
+    # tokens ...
+    first.running = 6
     assert policy.choose(ws, RouteRequest([*system, 3000], 8, 16)).address == first.address
-    # ... three outweigh them.
-    first.running = 3
+    # Fewer than 64 prompt tokens queued there for prefill do not (a request would wait
+    # behind them) ...
+    first.running, first.prefill_tokens = 0, 60
+    assert policy.choose(ws, RouteRequest([*system, 5000], 8, 16)).address == first.address
+    # ... 65 do, as do seven running requests.
+    first.prefill_tokens = 65
+    assert policy.choose(ws, RouteRequest([*system, 6000], 8, 16)).address != first.address
+    first.running, first.prefill_tokens = 7, 0
     assert policy.choose(ws, RouteRequest([*system, 4000], 8, 16)).address != first.address
 
 
