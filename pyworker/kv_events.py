@@ -5,9 +5,12 @@ vLLM publishes them from its engine-core process (`kv_events_config`, a ZMQ PUB 
 endian), msgpack batch]`, the batch `[timestamp, events, data-parallel rank]`, each event
 a map with a "type" (BlockStored, BlockRemoved, AllBlocksCleared). The worker turns its
 engine's publisher on at an ipc socket of its own (`engine_kwargs`), reads it here, and
-hands every subscriber the same `KvEventBatch` messages. A subscriber that falls behind
-is dropped (its stream ends; it subscribes again and starts from a reset); a gap in the
-engine's own sequence reaches every subscriber as a reset.
+hands every subscriber the same `KvEventBatch` messages. It keeps what the engine holds
+(blocks stored less those removed), so a new subscriber's first batches are that, after a
+reset: it learns the cache as it is, not only what is stored from then on. A subscriber
+that falls behind is dropped (its stream ends; it subscribes again and starts from a
+reset); a gap in the engine's own sequence reaches every subscriber as a reset, and what
+was held is forgotten (it is no longer known).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ log = structlog.get_logger(__name__)
 
 TOPIC = b"kv"
 QUEUE_BATCHES = 4096  # per subscriber, before it counts as fallen behind
+SNAPSHOT_BLOCKS_PER_BATCH = 1024  # what a new subscriber is told the engine holds
 
 
 def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -87,6 +91,9 @@ class KvEvents:
         self._sequence = 0  # this worker's, per batch sent
         self._engine_sequence: int | None = None
         self._task: asyncio.Task[None] | None = None
+        # What the engine holds: its hash -> (parent hash, tokens, block size, adapter),
+        # in the order stored.
+        self.held: dict[int, tuple[int | None, list[int], int, str]] = {}
 
     def start_once(self) -> None:
         """Read the engine's events from now on: at the server's start (so that the
@@ -101,11 +108,60 @@ class KvEvents:
         queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=QUEUE_BATCHES)
         self._subscribers.add(queue)
         try:
-            yield worker_pb2.KvEventBatch(sequence=self._sequence, reset=True)
+            # Taken with the subscription, between two batches of the engine's (one event
+            # loop), so nothing falls between the snapshot and what follows it.
+            for batch in self.snapshot():
+                yield batch
             while (batch := await queue.get()) is not None:
                 yield batch
         finally:
             self._subscribers.discard(queue)
+
+    def snapshot(self) -> list[Any]:
+        """A reset, then every block the engine holds, each after its parent."""
+        batches = [worker_pb2.KvEventBatch(sequence=self._sequence, reset=True)]
+        sent: set[int] = set()
+        for engine_hash in self.held:
+            chain: list[int] = []  # this block's ancestors not yet sent, nearest first
+            h: int | None = engine_hash
+            while h is not None and h in self.held and h not in sent:
+                chain.append(h)
+                sent.add(h)
+                h = self.held[h][0]
+            for h in reversed(chain):
+                if len(batches[-1].events) >= SNAPSHOT_BLOCKS_PER_BATCH:
+                    batches.append(worker_pb2.KvEventBatch(sequence=self._sequence))
+                parent, tokens, size, adapter = self.held[h]
+                stored = worker_pb2.KvBlocksStored(
+                    block_hashes=[h], token_ids=tokens, block_size=size, adapter=adapter
+                )
+                if parent is not None:
+                    stored.parent_block_hash = parent
+                batches[-1].events.append(worker_pb2.KvEvent(stored=stored))
+        return batches
+
+    def _apply(self, events: list[Any], gap: bool) -> None:
+        """Keep `held` as the engine's cache: blocks stored, less removed."""
+        if gap:
+            self.held.clear()  # what it holds now is not known: nothing is claimed
+        for e in events:
+            kind = e.WhichOneof("kind")
+            if kind == "stored":
+                s = e.stored
+                size = s.block_size
+                if size <= 0 or len(s.token_ids) != size * len(s.block_hashes):
+                    continue
+                parent = s.parent_block_hash if s.HasField("parent_block_hash") else None
+                for i, h in enumerate(s.block_hashes):
+                    tokens = list(s.token_ids[i * size : (i + 1) * size])
+                    self.held.pop(h, None)  # stored again: it goes to the end
+                    self.held[h] = (parent, tokens, size, s.adapter)
+                    parent = h
+            elif kind == "removed":
+                for h in e.removed.block_hashes:
+                    self.held.pop(h, None)
+            elif kind == "cleared":
+                self.held.clear()
 
     def _publish(self, batch: Any) -> None:
         self._sequence += 1
@@ -138,6 +194,7 @@ class KvEvents:
         decoded = msgspec.msgpack.decode(frames[2])
         timestamp, raw_events = float(decoded[0]), decoded[1]
         events = [e for e in (to_event(r) for r in raw_events) if e is not None]
+        self._apply(events, gap)
         if not events and not gap:
             return
         self._publish(worker_pb2.KvEventBatch(reset=gap, events=events, timestamp_s=timestamp))
@@ -159,6 +216,7 @@ class KvEvents:
                 except Exception:  # a batch it cannot read: the subscribers must resync
                     log.warning("kv-events batch not understood", exc_info=True)
                     self._engine_sequence = None
+                    self.held.clear()
                     self._publish(worker_pb2.KvEventBatch(reset=True))
         except Exception:
             failed = True

@@ -129,8 +129,8 @@ async def watch_kv_events(worker: WorkerClient) -> None:
                     if kind == "stored":
                         s = event.stored
                         parent = s.parent_block_hash if s.HasField("parent_block_hash") else None
-                        # A parent stored before the subscription is unknown here: those
-                        # blocks are skipped (routing learns them from prompts).
+                        # A block whose parent is unknown here (the engine evicted the
+                        # parent, or events were lost) is skipped by the index.
                         sink.stored(address, s.block_hashes, parent, s.token_ids, s.block_size,
                                     s.adapter)  # fmt: skip
                     elif kind == "removed":

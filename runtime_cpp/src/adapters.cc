@@ -179,4 +179,12 @@ std::vector<AdapterInfo> AdapterRegistry::list() const {
   return out;
 }
 
+std::optional<std::string> AdapterRegistry::name_of(AdapterId task) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [name, h] : held_) {
+    if (h.task == task) return name;
+  }
+  return std::nullopt;
+}
+
 }  // namespace switchyard::rt

@@ -67,6 +67,8 @@ class AdapterRegistry {
   std::optional<std::pair<std::uint32_t, std::uint32_t>> unload(
       const std::string& name, std::chrono::milliseconds grace);
   std::vector<AdapterInfo> list() const;
+  // The name an engine task id was loaded under; nullopt once it is no longer held.
+  std::optional<std::string> name_of(AdapterId task) const;
 
  private:
   struct Held {

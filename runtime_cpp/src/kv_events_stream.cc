@@ -4,6 +4,7 @@
 #include <chrono>
 #include <deque>
 #include <string>
+#include <unordered_set>
 
 namespace switchyard::rt {
 
@@ -17,30 +18,35 @@ double now_s() {
       .count();
 }
 
+std::string adapter_name(AdapterId task, const AdapterNamer& namer) {
+  return namer ? namer(task) : "task-" + std::to_string(task);
+}
+
+void add_stored(wv1::KvEventBatch& batch, const std::vector<std::uint64_t>& hashes,
+                const std::optional<std::uint64_t>& parent, const Tokens& tokens,
+                std::int32_t block_size, const std::optional<AdapterId>& adapter,
+                const AdapterNamer& namer) {
+  auto* s = batch.add_events()->mutable_stored();
+  for (auto h : hashes) s->add_block_hashes(h);
+  if (parent) s->set_parent_block_hash(*parent);
+  for (auto t : tokens) s->add_token_ids(static_cast<std::uint32_t>(t));
+  s->set_block_size(static_cast<std::uint32_t>(block_size));
+  if (adapter) s->set_adapter(adapter_name(*adapter, namer));
+}
+
 }  // namespace
 
-wv1::KvEventBatch to_batch(const KvCacheEvents& events) {
+wv1::KvEventBatch to_batch(const KvCacheEvents& events, const AdapterNamer& namer) {
   wv1::KvEventBatch batch;
   batch.set_reset(events.lost);
   for (const KvCacheEvent& e : events.events) {
-    auto* out = batch.add_events();
-    switch (e.kind) {
-      case KvCacheEvent::Kind::kStored: {
-        auto* s = out->mutable_stored();
-        for (auto h : e.block_hashes) s->add_block_hashes(h);
-        if (e.parent_hash) s->set_parent_block_hash(*e.parent_hash);
-        for (auto t : e.tokens) s->add_token_ids(static_cast<std::uint32_t>(t));
-        s->set_block_size(static_cast<std::uint32_t>(e.block_size));
-        // The adapter's task id; the service's names for adapters are not the engine's.
-        if (e.adapter) s->set_adapter("task-" + std::to_string(*e.adapter));
-        break;
-      }
-      case KvCacheEvent::Kind::kRemoved:
-        for (auto h : e.block_hashes) out->mutable_removed()->add_block_hashes(h);
-        break;
-      case KvCacheEvent::Kind::kCleared:
-        out->mutable_cleared();
-        break;
+    if (e.kind == KvCacheEvent::Kind::kStored) {
+      add_stored(batch, e.block_hashes, e.parent_hash, e.tokens, e.block_size, e.adapter, namer);
+    } else if (e.kind == KvCacheEvent::Kind::kRemoved) {
+      auto* removed = batch.add_events()->mutable_removed();
+      for (auto h : e.block_hashes) removed->add_block_hashes(h);
+    } else {
+      batch.add_events()->mutable_cleared();
     }
   }
   return batch;
@@ -49,8 +55,8 @@ wv1::KvEventBatch to_batch(const KvCacheEvents& events) {
 // One SubscribeKvEvents call: batches queue here and go out one write at a time.
 class KvSubscriber final : public grpc::ServerWriteReactor<wv1::KvEventBatch> {
  public:
-  KvSubscriber(KvEventHub* hub, wv1::KvEventBatch first) : hub_(hub) {
-    queue_.push_back(std::move(first));
+  KvSubscriber(KvEventHub* hub, std::vector<wv1::KvEventBatch> first) : hub_(hub) {
+    for (auto& batch : first) queue_.push_back(std::move(batch));
   }
   explicit KvSubscriber(grpc::Status refusal) : refusal_(std::move(refusal)) {}
 
@@ -137,8 +143,8 @@ class KvSubscriber final : public grpc::ServerWriteReactor<wv1::KvEventBatch> {
   bool finished_ = false;
 };
 
-KvEventHub::KvEventHub(Executor& executor)
-    : executor_(executor), enabled_(executor.kv_events()) {
+KvEventHub::KvEventHub(Executor& executor, AdapterNamer namer)
+    : executor_(executor), namer_(std::move(namer)), enabled_(executor.kv_events()) {
   if (enabled_) thread_ = std::thread([this] { pump(); });
 }
 
@@ -152,6 +158,70 @@ std::uint64_t KvEventHub::sequence() const {
   return sequence_;
 }
 
+std::size_t KvEventHub::held_blocks() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return held_.size();
+}
+
+void KvEventHub::apply_locked(const KvCacheEvents& events) {
+  if (events.lost) held_.clear();  // what it holds now is not known: nothing is claimed
+  for (const KvCacheEvent& e : events.events) {
+    switch (e.kind) {
+      case KvCacheEvent::Kind::kStored: {
+        const auto size = static_cast<std::size_t>(std::max(e.block_size, 0));
+        if (size == 0 || e.tokens.size() != e.block_hashes.size() * size) break;
+        std::optional<std::uint64_t> parent = e.parent_hash;
+        for (std::size_t i = 0; i < e.block_hashes.size(); ++i) {
+          const auto first = e.tokens.begin() + static_cast<std::ptrdiff_t>(i * size);
+          held_[e.block_hashes[i]] =
+              HeldBlock{parent, Tokens(first, first + static_cast<std::ptrdiff_t>(size)),
+                        e.block_size, e.adapter};
+          parent = e.block_hashes[i];
+        }
+        break;
+      }
+      case KvCacheEvent::Kind::kRemoved:
+        for (auto h : e.block_hashes) held_.erase(h);
+        break;
+      case KvCacheEvent::Kind::kCleared:
+        held_.clear();
+        break;
+    }
+  }
+}
+
+std::vector<wv1::KvEventBatch> KvEventHub::snapshot_locked() const {
+  std::vector<wv1::KvEventBatch> out(1);
+  out.front().set_reset(true);
+  std::unordered_set<std::uint64_t> sent;
+  std::vector<std::uint64_t> chain;
+  for (const auto& entry : held_) {
+    // This block's ancestors not yet sent, nearest first; then sent root first. A block
+    // whose parent is gone is sent too (a subscriber refuses it, as the engine cannot
+    // reuse it without its parent).
+    chain.clear();
+    for (auto it = held_.find(entry.first); it != held_.end() && !sent.count(it->first);) {
+      chain.push_back(it->first);
+      sent.insert(it->first);
+      if (!it->second.parent) break;
+      it = held_.find(*it->second.parent);
+    }
+    for (auto h = chain.rbegin(); h != chain.rend(); ++h) {
+      if (static_cast<std::size_t>(out.back().events_size()) >= kSnapshotBlocksPerBatch) {
+        out.emplace_back();
+      }
+      const HeldBlock& b = held_.at(*h);
+      add_stored(out.back(), {*h}, b.parent, b.tokens, b.block_size, b.adapter, namer_);
+    }
+  }
+  const double now = now_s();
+  for (auto& batch : out) {
+    batch.set_sequence(sequence_);
+    batch.set_timestamp_s(now);
+  }
+  return out;
+}
+
 grpc::ServerWriteReactor<wv1::KvEventBatch>* KvEventHub::subscribe() {
   std::shared_ptr<KvSubscriber> s;
   if (!enabled_) {
@@ -161,11 +231,7 @@ grpc::ServerWriteReactor<wv1::KvEventBatch>* KvEventHub::subscribe() {
     s->attach(s);
   } else {
     std::lock_guard<std::mutex> lock(mu_);
-    wv1::KvEventBatch first;
-    first.set_sequence(sequence_);
-    first.set_reset(true);
-    first.set_timestamp_s(now_s());
-    s = std::make_shared<KvSubscriber>(this, std::move(first));
+    s = std::make_shared<KvSubscriber>(this, snapshot_locked());
     s->attach(s);
     subscribers_.push_back(s);
   }
@@ -195,10 +261,11 @@ void KvEventHub::pump() {
       std::this_thread::sleep_until(asked + kPumpWait);
       continue;
     }
-    wv1::KvEventBatch batch = to_batch(events);
+    wv1::KvEventBatch batch = to_batch(events, namer_);
     batch.set_timestamp_s(now_s());
     {
       std::lock_guard<std::mutex> lock(mu_);
+      apply_locked(events);  // with the batch, under one lock: a snapshot is never torn
       batch.set_sequence(++sequence_);
       to = subscribers_;
     }

@@ -307,7 +307,12 @@ grpc::Status invalid_argument(const std::string& field, const std::string& messa
 
 WorkerService::WorkerService(Executor& executor, Dispatcher& dispatcher)
     : executor_(executor), dispatcher_(dispatcher), info_(executor.info()), adapters_(executor),
-      kv_hub_(executor), ticker_([this] { ticker(); }) {
+      kv_hub_(executor,
+              [this](AdapterId task) {
+                // The name requests use; an adapter unloaded since is known by its task.
+                return adapters_.name_of(task).value_or("task-" + std::to_string(task));
+              }),
+      ticker_([this] { ticker(); }) {
   dispatcher_.set_on_over([this](RequestId id) { adapters_.release(id); });
 }
 

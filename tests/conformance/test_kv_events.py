@@ -74,30 +74,76 @@ def test_kv_events_name_the_blocks_a_prompt_leaves(stub: Any, engine: str) -> No
             sampling=common_pb2.SamplingParams(temperature=0.0),
         )  # fmt: skip
         generate(stub, req)
-        index = KvIndex()
         keys = prompt_keys(prompt, block)
         deadline = time.monotonic() + 30
-        while index.overlap(keys, ["w"])["w"] < 2:
+        while build_index(sub.seen()).overlap(keys, ["w"])["w"] < 2:
             assert time.monotonic() < deadline, f"the prompt's blocks never came: {sub.seen()}"
             time.sleep(0.05)
-            index = KvIndex()
-            for batch in sub.seen():
-                if batch.reset:
-                    index.cleared("w")
-                for event in batch.events:
-                    if event.HasField("stored"):
-                        s = event.stored
-                        parent = s.parent_block_hash if s.HasField("parent_block_hash") else None
-                        index.stored("w", list(s.block_hashes), parent, list(s.token_ids),
-                                     s.block_size)  # fmt: skip
-                    elif event.HasField("removed"):
-                        index.removed("w", list(event.removed.block_hashes))
-                    elif event.HasField("cleared"):
-                        index.cleared("w")
         stored = [e.stored for b in sub.seen() for e in b.events if e.HasField("stored")]
         assert all(s.block_size == block for s in stored)
         assert any(list(s.token_ids[:block]) == prompt[:block] for s in stored)
+        # One more per batch of the engine's; the first batches (what the engine held
+        # already) carry the sequence of the last before them.
         sequences = [b.sequence for b in sub.seen()]
-        assert sequences == sorted(sequences) and len(set(sequences)) == len(sequences)
+        assert sequences == sorted(sequences)
+        news = [b.sequence for b in sub.seen() if b.sequence > first.sequence]
+        assert len(set(news)) == len(news)
     finally:
         sub.close()
+
+
+def build_index(batches: list[Any]) -> KvIndex:
+    """The control plane's index, from one subscription's batches."""
+    index = KvIndex()
+    for batch in batches:
+        if batch.reset:
+            index.cleared("w")
+        for event in batch.events:
+            if event.HasField("stored"):
+                s = event.stored
+                parent = s.parent_block_hash if s.HasField("parent_block_hash") else None
+                index.stored("w", list(s.block_hashes), parent, list(s.token_ids), s.block_size)
+            elif event.HasField("removed"):
+                index.removed("w", list(event.removed.block_hashes))
+            elif event.HasField("cleared"):
+                index.cleared("w")
+    return index
+
+
+def test_a_late_subscriber_learns_what_the_engine_holds_already(stub: Any) -> None:
+    """A control plane that subscribes after the engine cached a prompt (it restarted, or
+    its stream broke) is told the prompt's blocks in its first batches, before any new
+    event: the engine would not announce them again."""
+    info = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
+    block = info.kv_block_size
+    prompt = [(11 * i + 5) % 500 + 2 for i in range(3 * block + 1)]
+    req = worker_pb2.GenerateRequest(
+        request_id="kv-late", prompt_token_ids=prompt, max_tokens=2, ignore_eos=True,
+        sampling=common_pb2.SamplingParams(temperature=0.0),
+    )  # fmt: skip
+    keys = prompt_keys(prompt, block)
+    # The worker reads its engine's events on their way: wait until an early subscriber
+    # has seen the blocks, so the worker has too.
+    early = Subscription(stub)
+    try:
+        generate(stub, req)
+        deadline = time.monotonic() + 30
+        while build_index(early.seen()).overlap(keys, ["w"])["w"] < 3:
+            assert time.monotonic() < deadline, "the prompt's blocks never came"
+            time.sleep(0.05)
+    finally:
+        early.close()
+    late = Subscription(stub)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            seen = late.seen()
+            # The snapshot: the batches that carry the first batch's sequence.
+            snapshot = [b for b in seen if seen and b.sequence == seen[0].sequence]
+            if build_index(snapshot).overlap(keys, ["w"])["w"] >= 3:
+                break
+            assert time.monotonic() < deadline, f"the late subscriber never learned: {seen}"
+            time.sleep(0.05)
+        assert seen[0].reset and not any(b.reset for b in snapshot[1:])
+    finally:
+        late.close()

@@ -1,0 +1,107 @@
+"""Plots of the routing comparison (docs/kv-routing.md) from the benchmarks' JSON:
+
+    python -m bench.kv_plots --sim docs/kv-routing/sim-seed*.json \\
+        --real docs/kv-routing/real.json --out docs/kv-routing
+
+`--sim` takes `bench.fleet_sim --json` files (one per seed: bars are the mean, whiskers
+the range); `--real` a `bench.kv_routing --json` file. Needs matplotlib (the bench extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _by_policy(files: Sequence[Path], fields: Sequence[str]) -> dict[str, dict[str, list[float]]]:
+    """policy -> field -> one value per file, in the order the first file lists them."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for f in files:
+        for r in json.loads(f.read_text())["results"]:
+            row = out.setdefault(r["policy"], {k: [] for k in fields})
+            for k in fields:
+                row[k].append(float(r[k]))
+    return out
+
+
+def _bars(ax: Any, data: dict[str, dict[str, list[float]]], field: str, scale: float = 1.0) -> None:
+    names = list(data)
+    means = [statistics.mean(data[n][field]) * scale for n in names]
+    low = [m - min(data[n][field]) * scale for m, n in zip(means, names, strict=True)]
+    high = [max(data[n][field]) * scale - m for m, n in zip(means, names, strict=True)]
+    colors = ["tab:red" if n == "kv_aware" else "tab:grey" for n in names]
+    ax.bar(names, means, color=colors, yerr=[low, high], capsize=3)
+    ax.tick_params(axis="x", labelrotation=35, labelsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def plot_sim(files: Sequence[Path], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = _by_policy(files, ("ttft_p50_ms", "ttft_p99_ms", "prefix_hit_rate", "output_tok_s"))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
+    _bars(axes[0], data, "ttft_p99_ms")
+    axes[0].set_ylabel("TTFT p99, ms (lower is better)")
+    _bars(axes[1], data, "prefix_hit_rate", 100)
+    axes[1].set_ylabel("prefix-cache hit rate, % of prompt tokens")
+    _bars(axes[2], data, "output_tok_s", 1 / 1000)
+    axes[2].set_ylabel("output tokens/s, thousands")
+    first = json.loads(files[0].read_text())
+    workers = first["results"][0]["workers"]
+    title = (
+        f"Fleet simulation, {workers} simulated workers, tenants' traffic "
+        f"({len(files)} seeds: bar = mean, whiskers = range)"
+    )
+    return _save(fig, title, out / "sim.png")
+
+
+def _save(fig: Any, title: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_real(file: Path, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = _by_policy([file], ("engine_hit_rate", "ttft_p50_ms", "ttft_p99_ms"))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    _bars(axes[0], data, "engine_hit_rate", 100)
+    axes[0].set_ylabel("hit rate the engines report, % of prompt tokens")
+    _bars(axes[1], data, "ttft_p99_ms")
+    axes[1].set_ylabel("TTFT p99, ms")
+    meta = json.loads(file.read_text())
+    title = f"{meta['workers']} vLLM CPU workers behind the control plane, tenants' traffic"
+    return _save(fig, title, out / "real.png")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser("python -m bench.kv_plots", description=__doc__)
+    ap.add_argument("--sim", type=Path, nargs="*", default=[])
+    ap.add_argument("--real", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.sim:
+        print(plot_sim(args.sim, args.out))
+    if args.real:
+        print(plot_real(args.real, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
