@@ -77,6 +77,8 @@ class RealResult:
     ttft_p50_ms: float
     ttft_p99_ms: float
     output_tok_s: float
+    # Each worker's share of the requests in flight, sampled every 100 ms (ListWorkers)
+    in_flight_share: dict[str, float]
 
 
 def permuted(workload: Workload, seed: int) -> list[list[int]]:
@@ -95,6 +97,7 @@ async def run_policy(
     from switchyard.v1 import generation_pb2_grpc
 
     ttft: list[float] = []
+    in_flight: dict[str, float] = {}
     prompt_tokens = cached = tokens = errors = 0
     started = time.perf_counter()
 
@@ -128,7 +131,9 @@ async def run_policy(
             if first is not None:
                 ttft.append(first * 1000)
 
+        sampler = asyncio.create_task(sample_in_flight(channel, in_flight))
         await asyncio.gather(*(one(k) for k in range(workload.requests)))
+        sampler.cancel()
     wall = time.perf_counter() - started
     q = statistics.quantiles(ttft, n=100, method="inclusive") if len(ttft) > 1 else [0.0] * 99
     return RealResult(
@@ -142,7 +147,22 @@ async def run_policy(
         ttft_p50_ms=q[49],
         ttft_p99_ms=q[98],
         output_tok_s=tokens / wall,
+        in_flight_share={
+            w: round(n / (sum(in_flight.values()) or 1), 3) for w, n in sorted(in_flight.items())
+        },
     )
+
+
+async def sample_in_flight(channel: grpc.aio.Channel, into: dict[str, float]) -> None:
+    """Adds each worker's in-flight requests (this control plane's) every 100 ms."""
+    from switchyard.v1 import admin_pb2, admin_pb2_grpc
+
+    stub = admin_pb2_grpc.AdminStub(channel)
+    while True:
+        reply = await stub.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=10)
+        for w in reply.workers:
+            into[w.address] = into.get(w.address, 0.0) + w.in_flight
+        await asyncio.sleep(0.1)
 
 
 def model_yaml(model: Path, workers: Sequence[str], policy: str) -> str:
@@ -198,10 +218,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log.info("running", policy=policy, requests=workload.requests)
                 r = asyncio.run(run_policy(address, workload, prompts, policy))
             results.append(r)
+            shares = " ".join(f"{s:.2f}" for s in r.in_flight_share.values())
             print(
                 f"{policy:16s} hit {r.engine_hit_rate:6.1%}  TTFT p50 {r.ttft_p50_ms:7.0f} ms  "
                 f"p99 {r.ttft_p99_ms:7.0f} ms  {r.output_tok_s:6.1f} tok/s  "
-                f"{r.completed}/{r.requests}",
+                f"{r.completed}/{r.requests}  in flight by worker {shares}",
                 flush=True,
             )
     print(markdown(results))

@@ -18,7 +18,7 @@ models:
     workers: []             # addresses of remote workers; when set, none is started
     routing: kv_aware       # kv_aware | least_load | prefix_affinity | power_of_two | round_robin
                             # (default: kv_aware if the workers report KV events, else least_load)
-    kv_aware: {overlap_weight: 1, prefill_weight: 1, load_weight: 0.01, temperature: 0}
+    kv_aware: {overlap_weight: 1, prefill_weight: 1, eviction_weight: 2, load_weight: 0.01}
     limits: {max_concurrency: 256, max_queue: 1024}
     health: {canary_interval_s: 5, canary_timeout_s: 2, failure_threshold: 3}
     discovery: {dns: workers.example:7001, interval_s: 10}   # every address behind a name
@@ -359,7 +359,10 @@ def parse_model(m: object, key: str) -> ModelSpec:
             f"unknown policy {routing!r}; expected one of {', '.join(ROUTING_POLICIES)}",
         )
     kv_aware = _section(
-        m, "kv_aware", {"overlap_weight", "load_weight", "prefill_weight", "temperature"}, key
+        m,
+        "kv_aware",
+        {"overlap_weight", "load_weight", "prefill_weight", "eviction_weight", "temperature"},
+        key,
     )
     if kv_aware and routing not in ("kv_aware", ""):
         raise ConfigError(f"{key}.kv_aware", f"only with routing: kv_aware (not {routing})")

@@ -149,3 +149,23 @@ def test_kv_aware_temperature_spreads_among_near_equals() -> None:
     assert set(picks) == {"w0", "w1", "w2"} and min(picks.values()) > 60
     with pytest.raises(ValueError):
         KvAware(temperature=-1)
+
+
+def test_kv_aware_puts_new_blocks_where_they_evict_least() -> None:
+    full, roomy = W("full"), W("roomy", running=3)
+    policy = KvAware(learn=False)
+    # The engine behind "full" reports 100 blocks of other prompts; "roomy" holds 10.
+    for i in range(100):
+        policy.index.learn("full", prompt_keys([5000 + i] * 16, 16))
+    for i in range(10):
+        policy.index.learn("roomy", prompt_keys([9000 + i] * 16, 16))
+    prompt = RouteRequest(list(range(64)), 8, 16)  # 4 new blocks wherever it goes
+    # Storing them where the cache is full evicts 4 blocks of other prefixes: that costs
+    # more than three running requests (about 31 tokens) more on the roomy one.
+    assert policy.choose([full, roomy], prompt).address == "roomy"
+    # Without the eviction term, load decides.
+    plain = KvAware(learn=False, eviction_weight=0, index=policy.index)
+    assert plain.choose([full, roomy], prompt).address == "full"
+    # A prompt the full one holds stays there: only new blocks evict.
+    cached = RouteRequest([5007] * 16 + [1, 2], 8, 16)
+    assert policy.choose([full, roomy], cached).address == "full"
