@@ -5,19 +5,22 @@ For a prompt of B blocks (the last one partial or not) and a candidate w that ho
 first o_w blocks (`kv_index.KvIndex.overlap`), in tokens:
 
     cost(w) = overlap_weight * (B - o_w) * block_size                 (its own prefill)
-            + eviction_weight * (F - o_w) * block_size * h_w / h_max     (what it evicts)
+            + eviction_weight * (F - o_w) * block_size * p_w / p_max     (what it evicts)
             + prefill_weight * prefill_tokens(w)                         (prefill queued ahead)
             + load_weight * load_score(w) * TOKENS_PER_REQUEST_WEIGHT      (work already there)
 
-F counts the prompt's full blocks (those a cache keeps). `h_w` is how many blocks the
-index says w holds, `h_max` the most any candidate holds: the blocks a prompt adds to a
-full cache push others' cached prefixes out, so they cost more there than in a cache with
-room (SMG's "smallest tree" rule, as a cost).
+F counts the prompt's full blocks (those a cache keeps). `p_w` is the eviction pressure
+on w: the new blocks sent there lately (each request's F - o_w, halving every
+`PRESSURE_HALF_LIFE` requests per candidate), `p_max` the most on any candidate. A full
+cache evicts a block for each new one: where new blocks pour in, what is cached lives
+least long, so a prompt's new blocks cost more there (SMG's "smallest tree" rule, as a
+cost that also holds once every cache is full).
 `prefill_tokens` are the prompt tokens of this process's requests on w that have had no
 token back yet: the prefill a new request waits behind for its first token. `load_score`
 is least load's (running and waiting requests, with this process's own since the last
-report, plus their tokens), so with nothing cached anywhere and nothing queued this is
-least load. With `temperature` 0 the cheapest worker takes the request (ties go
+report, plus their tokens), so with nothing cached anywhere, nothing queued and no
+eviction weight this is least load; with it, new blocks also spread away from where new
+blocks went lately. With `temperature` 0 the cheapest worker takes the request (ties go
 to the one first in turn); above 0 a worker is drawn with probability proportional to
 exp(-cost / (temperature * block_size * B)), which spreads requests among nearly equal
 workers.
@@ -44,9 +47,11 @@ from control.routing.kv_index import KvIndex, prompt_keys
 # cache, 0.003 too little of the balance (docs/kv-routing.md has the sweeps).
 LOAD_WEIGHT = 0.01
 PREFILL_WEIGHT = 1.0
-# New blocks in the fullest cache cost three times what they cost in an empty one: on the
-# fleet simulation this lowered TTFT p99 at every load from 400 to 1,000 requests/s.
+# A new block where the pressure is highest costs three times what it costs where there is
+# none: on the fleet simulation this lowered TTFT p99 at every load from 400 to 1,000
+# requests/s (docs/kv-routing.md).
 EVICTION_WEIGHT = 2.0
+PRESSURE_HALF_LIFE = 16  # requests per candidate
 
 
 class KvAware:
@@ -75,18 +80,26 @@ class KvAware:
         self.learn = learn
         self._rng = rng or random.Random()
         self._tie = itertools.count()
+        self._routed = 0  # requests routed, the pressure's clock
+        self._pressure: dict[str, tuple[float, int]] = {}  # address -> (value, at)
+
+    def pressure(self, address: str, candidates: int) -> float:
+        """The new blocks sent to `address` lately, decayed to now."""
+        value, at = self._pressure.get(address, (0.0, self._routed))
+        half_life = PRESSURE_HALF_LIFE * max(candidates, 1)
+        return float(value * 0.5 ** ((self._routed - at) / half_life))
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
         size = max(request.kv_block_size, 1)
         blocks = math.ceil(len(request.prompt_ids) / size)
         keys = prompt_keys(request.prompt_ids, size, request.adapter)  # once per request
         held = self.index.overlap(keys, (c.address for c in candidates))
-        room = [self.index.held(c.address) for c in candidates]
-        full = max(room) or 1
+        pressure = [self.pressure(c.address, len(candidates)) for c in candidates]
+        top = max(pressure) or 1.0
         # Each candidate's cost, in tokens, in the candidates' order.
         costs = [
             self.overlap_weight * (blocks - held[c.address]) * size
-            + self.eviction_weight * (len(keys) - held[c.address]) * size * room[i] / full
+            + self.eviction_weight * (len(keys) - held[c.address]) * size * pressure[i] / top
             + self.prefill_weight * c.prefill_tokens
             + self.load_weight * load_score(c) * TOKENS_PER_REQUEST_WEIGHT
             for i, c in enumerate(candidates)
@@ -103,4 +116,10 @@ class KvAware:
             chosen = candidates[self._rng.choices(range(len(candidates)), weights=weights)[0]]
         if self.learn:
             self.index.learn(chosen.address, keys)
+        i = candidates.index(chosen)
+        self._routed += 1
+        self._pressure[chosen.address] = (
+            pressure[i] + len(keys) - held[chosen.address],
+            self._routed,
+        )
         return chosen

@@ -133,11 +133,16 @@ def test_kv_aware_prefers_the_worker_holding_the_prompt_until_its_load_outweighs
     assert policy.choose(ws, RouteRequest([*system, 4000], 8, 16)).address != first.address
 
 
-def test_kv_aware_with_nothing_cached_is_least_load() -> None:
+def test_kv_aware_with_nothing_cached_is_least_load_then_spreads_new_blocks() -> None:
     ws = [W("a", running=3), W("b", running=1), W("c", running=2)]
+    plain = KvAware(learn=False, eviction_weight=0)
+    picks = Counter(plain.choose(ws, RouteRequest([i] * 40, 4, 16)).address for i in range(30))
+    assert picks == {"b": 30}
+    # With the eviction weight, 32 new tokens a request pile up on b until they weigh
+    # more there than a running request or two: the others take some, least loaded most.
     policy = KvAware(learn=False)
     picks = Counter(policy.choose(ws, RouteRequest([i] * 40, 4, 16)).address for i in range(30))
-    assert picks == {"b": 30}
+    assert picks["b"] > picks["c"] > picks["a"] > 0
     assert make_policy("kv_aware").name == "kv_aware"
 
 
@@ -152,20 +157,19 @@ def test_kv_aware_temperature_spreads_among_near_equals() -> None:
 
 
 def test_kv_aware_puts_new_blocks_where_they_evict_least() -> None:
-    full, roomy = W("full"), W("roomy", running=3)
-    policy = KvAware(learn=False)
-    # The engine behind "full" reports 100 blocks of other prompts; "roomy" holds 10.
-    for i in range(100):
-        policy.index.learn("full", prompt_keys([5000 + i] * 16, 16))
-    for i in range(10):
-        policy.index.learn("roomy", prompt_keys([9000 + i] * 16, 16))
-    prompt = RouteRequest(list(range(64)), 8, 16)  # 4 new blocks wherever it goes
-    # Storing them where the cache is full evicts 4 blocks of other prefixes: that costs
-    # more than three running requests (about 31 tokens) more on the roomy one.
-    assert policy.choose([full, roomy], prompt).address == "roomy"
-    # Without the eviction term, load decides.
-    plain = KvAware(learn=False, eviction_weight=0, index=policy.index)
-    assert plain.choose([full, roomy], prompt).address == "full"
-    # A prompt the full one holds stays there: only new blocks evict.
-    cached = RouteRequest([5007] * 16 + [1, 2], 8, 16)
-    assert policy.choose([full, roomy], cached).address == "full"
+    busy, quiet = W("busy"), W("quiet", running=3)
+    for weight, expected in ((2.0, "quiet"), (0.0, "busy")):
+        policy = KvAware(learn=False, eviction_weight=weight)
+        # Five prompts of new blocks went to "busy" (the only candidate then): in a full
+        # cache each pushed an older block out.
+        for i in range(5):
+            policy.choose([busy], RouteRequest([5000 + i] * 64, 8, 16))
+        # A new prompt's 4 blocks would evict more of what "busy" holds: that outweighs
+        # three running requests (about 31 tokens) on "quiet". Without the weight, load
+        # decides.
+        new = RouteRequest(list(range(64)), 8, 16)
+        assert policy.choose([busy, quiet], new).address == expected, weight
+    # A prompt "busy" holds stays there: only new blocks evict.
+    policy.index.learn("busy", prompt_keys([7] * 64, 16))
+    policy.eviction_weight = 2.0
+    assert policy.choose([busy, quiet], RouteRequest([7] * 64 + [1, 2], 8, 16)).address == "busy"
