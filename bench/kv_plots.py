@@ -1,10 +1,12 @@
 """Plots of the routing comparison (docs/kv-routing.md) from the benchmarks' JSON:
 
     python -m bench.kv_plots --sim docs/kv-routing/sim-seed*.json \\
+        --rates docs/kv-routing/sim-rate*.json docs/kv-routing/sim-seed0.json \\
         --real docs/kv-routing/real.json --out docs/kv-routing
 
 `--sim` takes `bench.fleet_sim --json` files (one per seed: bars are the mean, whiskers
-the range); `--real` a `bench.kv_routing --json` file. Needs matplotlib (the bench extra).
+the range); `--rates` such files at several offered loads (TTFT p99 against the load);
+`--real` a `bench.kv_routing --json` file. Needs matplotlib (the bench extra).
 """
 
 from __future__ import annotations
@@ -72,6 +74,30 @@ def _save(fig: Any, title: str, path: Path) -> Path:
     return path
 
 
+def plot_rates(files: Sequence[Path], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = sorted((json.loads(f.read_text()) for f in files), key=lambda d: d["workload"]["rate"])
+    rates = [d["workload"]["rate"] for d in runs]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name in [r["policy"] for r in runs[0]["results"]]:
+        p99 = [next(r["ttft_p99_ms"] for r in d["results"] if r["policy"] == name) for d in runs]
+        style = {"color": "black", "linewidth": 2.5} if name == "kv_aware" else {}
+        ax.plot(rates, p99, marker="o", label=name, **style)
+    ax.set_yscale("log")
+    ax.set_xlabel("offered load, requests/s")
+    ax.set_ylabel("TTFT p99, ms")
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    workers = runs[0]["results"][0]["workers"]
+    return _save(
+        fig, f"Fleet simulation, {workers} workers: TTFT p99 against load", out / "rates.png"
+    )
+
+
 def plot_real(file: Path, out: Path) -> Path:
     import matplotlib
 
@@ -92,12 +118,15 @@ def plot_real(file: Path, out: Path) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser("python -m bench.kv_plots", description=__doc__)
     ap.add_argument("--sim", type=Path, nargs="*", default=[])
+    ap.add_argument("--rates", type=Path, nargs="*", default=[])
     ap.add_argument("--real", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.sim:
         print(plot_sim(args.sim, args.out))
+    if args.rates:
+        print(plot_rates(args.rates, args.out))
     if args.real:
         print(plot_real(args.real, args.out))
     return 0

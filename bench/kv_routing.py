@@ -191,10 +191,11 @@ async def fill_caches(addresses: Sequence[str], blocks: int, seed: int) -> None:
                     pass
 
 
-def model_yaml(model: Path, workers: Sequence[str], policy: str) -> str:
+def model_yaml(model: Path, workers: Sequence[str], policy: str, kv_aware: dict[str, float]) -> str:
+    weights = f"    kv_aware: {json.dumps(kv_aware)}\n" if kv_aware and policy == "kv_aware" else ""
     return (
         f"  - name: tiny\n    engine: vllm\n    model: {model}\n"
-        f"    workers: [{', '.join(workers)}]\n    routing: {policy}\n"
+        f"    workers: [{', '.join(workers)}]\n    routing: {policy}\n{weights}"
         f"    limits: {{max_concurrency: 4096, max_queue: 4096}}\n"
     )
 
@@ -225,6 +226,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--cache-blocks", type=int, default=CACHE_BLOCKS, help="KV blocks of 128 tokens a worker"
     )
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument(
+        "--kv-aware",
+        type=json.loads,
+        default={},
+        help='kv_aware\'s weights, e.g. {"load_weight": 0.1}',
+    )
     args = ap.parse_args(argv)
     configure_logging()
     spec = TenantSpec(
@@ -244,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i, policy in enumerate(args.policies):
             prompts = permuted(workload, args.seed * 1000 + i + 1)
             asyncio.run(fill_caches(addresses, args.cache_blocks, args.seed * 1000 + i))
-            yaml = model_yaml(model, addresses, policy)
+            yaml = model_yaml(model, addresses, policy, args.kv_aware)
             with systems.control_plane(yaml, logs, name=f"control-{policy}") as (address, _):
                 log.info("running", policy=policy, requests=workload.requests)
                 r = asyncio.run(run_policy(address, workload, prompts, policy))
