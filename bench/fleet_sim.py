@@ -204,7 +204,8 @@ def simulate(
     wall_s = time.perf_counter() - started
     ttft = [(first_us[k] - arrival[k]) / 1000.0 for k in range(n) if first_us[k] >= 0]
     if ttft_out is not None:
-        ttft_out[:] = [(first_us[k] - arrival[k]) / 1000.0 for k in range(n)]
+        ttft_out[:] = [(first_us[k] - arrival[k]) / 1000.0 if first_us[k] >= 0 else nan
+                       for k in range(n)]  # fmt: skip
     pct = statistics.quantiles(ttft, n=100, method="inclusive") if len(ttft) > 1 else [nan] * 99
     makespan_s = end_us / 1e6
     return Result(

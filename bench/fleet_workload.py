@@ -162,11 +162,11 @@ def _tenants(spec: TenantSpec, vocab_size: int) -> Workload:
 def describe(spec: WorkloadSpec | TenantSpec) -> str:
     """The workload in a sentence or three, for a report."""
     lo_o, hi_o = spec.output_tokens
-    head = (
-        f"{spec.requests} requests, Poisson arrivals at {spec.rate:g} requests/s "
-        f"(seed {spec.seed}), each asking for {lo_o}-{hi_o} output tokens."
-    )
     if isinstance(spec, WorkloadSpec):
+        head = (
+            f"{spec.requests} requests, Poisson arrivals at {spec.rate:g} requests/s "
+            f"(seed {spec.seed}), each asking for {lo_o}-{hi_o} output tokens."
+        )
         lo_s, hi_s = spec.suffix_tokens
         popularity = "uniform" if spec.zipf == 0 else f"Zipf, exponent {spec.zipf}"
         return (
@@ -174,6 +174,12 @@ def describe(spec: WorkloadSpec | TenantSpec) -> str:
             f"{spec.prefix_tokens}-token system prompt; a request is its group's prefix plus "
             f"a unique {lo_s}-{hi_s} token suffix."
         )
+    head = (
+        f"{spec.requests} requests (seed {spec.seed}), each asking for {lo_o}-{hi_o} output "
+        f"tokens. Conversations and one-off prompts start as a Poisson process, at "
+        f"{spec.rate:g} requests/s in all on average; a conversation's later turns follow "
+        f"its pauses."
+    )
     lo_y, hi_y = spec.system_tokens
     lo_t, hi_t = spec.turns
     lo_u, hi_u = spec.user_tokens

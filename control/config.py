@@ -140,7 +140,8 @@ class ModelSpec:
     engine_args: dict[str, Any] = field(default_factory=dict)
     workers: tuple[str, ...] = ()
     # The policy; "" is the default: kv_aware where the workers report KV-cache events,
-    # least_load where they do not (ModelEntry decides, from the workers' GetInfo).
+    # least_load where they do not (ModelEntry decides, from the first worker's GetInfo,
+    # when the model is loaded).
     routing: str = ""
     # kv_aware's cost weights and temperature (control/routing/kv_aware.py), as given
     kv_aware: tuple[tuple[str, float], ...] = ()

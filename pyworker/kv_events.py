@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-from collections.abc import AsyncGenerator
+import time
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import structlog
@@ -109,36 +110,47 @@ class KvEvents:
         self._subscribers.add(queue)
         try:
             # Taken with the subscription, between two batches of the engine's (one event
-            # loop), so nothing falls between the snapshot and what follows it.
+            # loop), so nothing falls between the snapshot and what follows it; its
+            # batches are built one at a time, the event loop free between them.
             for batch in self.snapshot():
                 yield batch
+                await asyncio.sleep(0)
             while (batch := await queue.get()) is not None:
                 yield batch
         finally:
             self._subscribers.discard(queue)
 
-    def snapshot(self) -> list[Any]:
-        """A reset, then every block the engine holds, each after its parent."""
-        batches = [worker_pb2.KvEventBatch(sequence=self._sequence, reset=True)]
+    def snapshot(self) -> Iterator[Any]:
+        """A reset, then every block the engine holds now, each after its parent,
+        `SNAPSHOT_BLOCKS_PER_BATCH` a batch (built as they are taken)."""
+        return self._snapshot(dict(self.held), self._sequence)
+
+    @staticmethod
+    def _snapshot(
+        held: dict[int, tuple[int | None, list[int], int, str]], sequence: int
+    ) -> Iterator[Any]:
+        now = time.time()
+        batch = worker_pb2.KvEventBatch(sequence=sequence, reset=True, timestamp_s=now)
         sent: set[int] = set()
-        for engine_hash in self.held:
+        for engine_hash in held:
             chain: list[int] = []  # this block's ancestors not yet sent, nearest first
             h: int | None = engine_hash
-            while h is not None and h in self.held and h not in sent:
+            while h is not None and h in held and h not in sent:
                 chain.append(h)
                 sent.add(h)
-                h = self.held[h][0]
+                h = held[h][0]
             for h in reversed(chain):
-                if len(batches[-1].events) >= SNAPSHOT_BLOCKS_PER_BATCH:
-                    batches.append(worker_pb2.KvEventBatch(sequence=self._sequence))
-                parent, tokens, size, adapter = self.held[h]
+                if len(batch.events) >= SNAPSHOT_BLOCKS_PER_BATCH:
+                    yield batch
+                    batch = worker_pb2.KvEventBatch(sequence=sequence, timestamp_s=now)
+                parent, tokens, size, adapter = held[h]
                 stored = worker_pb2.KvBlocksStored(
                     block_hashes=[h], token_ids=tokens, block_size=size, adapter=adapter
                 )
                 if parent is not None:
                     stored.parent_block_hash = parent
-                batches[-1].events.append(worker_pb2.KvEvent(stored=stored))
-        return batches
+                batch.events.append(worker_pb2.KvEvent(stored=stored))
+        yield batch
 
     def _apply(self, events: list[Any], gap: bool) -> None:
         """Keep `held` as the engine's cache: blocks stored, less removed."""
@@ -226,6 +238,8 @@ class KvEvents:
             sock.close(linger=0)
             ctx.term()
             if failed:  # their streams end; a new subscription starts the reader again
+                self.held.clear()  # removals may come while it is down: nothing is claimed
+                self._engine_sequence = None
                 for queue in list(self._subscribers):
                     self._subscribers.discard(queue)
                     self._end(queue)

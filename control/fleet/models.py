@@ -7,6 +7,8 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from control.config import ModelSpec
 from control.errors import ModelNotFound, NoHealthyWorker
 from control.fleet.admission import Admission
@@ -17,6 +19,8 @@ from control.routing.kv_index import KvIndex
 from control.text.params import ModelLimits
 from control.text.tokenizer import Tokenizer
 from control.workers.client import WorkerClient, WorkerInfo
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -38,6 +42,12 @@ class ModelEntry:
 
     def __post_init__(self) -> None:
         routing = self.spec.routing or default_policy(self.info.kv_events)
+        if self.spec.kv_aware and routing != "kv_aware":
+            log.warning(
+                "kv_aware weights unused: the workers report no KV-cache events, so the "
+                "default policy is least_load (set routing: kv_aware to use them)",
+                model=self.spec.name,
+            )
         self.policy = make_policy(
             routing, dict(self.spec.kv_aware) if routing == "kv_aware" else None
         )

@@ -9,7 +9,9 @@ Dynamo's router documents, per worker w (in KV blocks):
 - prefill_blocks: the prompt blocks w would still compute (those its cache does not hold,
   from the engines' KV events), plus the prefill already queued on w. Dynamo counts the
   latter per request until the first token; here it is w's waiting requests times the
-  mean prompt length in blocks routed so far (a policy sees no first tokens).
+  mean prompt length in blocks routed so far. (`Candidate.prefill_tokens`, which
+  kv_aware reads, would be closer to Dynamo's count; the baseline's figures in
+  docs/kv-routing.md were measured with this estimate.)
 - decode_blocks: the blocks of w's active requests plus the new request's. Here: this
   process's in-flight tokens on w over the block size, plus the prompt's blocks.
 

@@ -12,10 +12,10 @@ Two ways in:
   hash only, so each worker's engine hashes map to keys here).
 - `learn`: the prompts this process routed (the approximate tree SMG's cache-aware policy
   keeps): the chosen worker is taken to hold the prompt's blocks from then on, until the
-  bound pushes them out. This is all there is for a worker that reports nothing, and it
-  covers what a reporting engine held before its events were followed (engines announce
-  a block when they store it, not when a request hits it); a learned block the engine
-  evicts without this index knowing its engine hash stays until the bound pushes it out.
+  bound pushes them out. This is all there is for a worker that reports nothing. For one
+  that reports, a new subscription is first told what the engine holds (the worker keeps
+  a mirror); a learned block the engine evicts without this index knowing its engine
+  hash stays until the bound pushes it out.
 
 Memory is bounded: at most `max_blocks` (worker, block) entries in all; beyond that the
 least recently stored or used go first. `overlap` counts, for each worker, how many of a

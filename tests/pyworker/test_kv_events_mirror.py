@@ -48,7 +48,7 @@ def test_a_new_subscriber_is_told_every_held_block_after_its_parent() -> None:
     events.handle(frames(2, {"type": "BlockRemoved", "block_hashes": [1]}))
     # The first block came back after the others: a snapshot still sends it first.
     events.handle(frames(3, stored([1], None, a[:4])))
-    snapshot = events.snapshot()
+    snapshot = list(events.snapshot())
     assert snapshot[0].reset
     order = [e.stored.block_hashes[0] for batch in snapshot for e in batch.events]
     assert order == [1, 2, 3]
@@ -60,13 +60,13 @@ def test_removed_and_cleared_blocks_are_not_announced_and_a_gap_forgets_all() ->
     events = KvEvents("ipc:///nowhere")
     events.handle(frames(0, stored([1, 2], None, list(range(8)))))
     events.handle(frames(1, {"type": "BlockRemoved", "block_hashes": [2]}))
-    assert [e.stored.block_hashes[0] for e in events.snapshot()[0].events] == [1]
+    assert [e.stored.block_hashes[0] for e in next(events.snapshot()).events] == [1]
     events.handle(frames(2, {"type": "AllBlocksCleared"}))
-    assert not events.snapshot()[0].events
+    assert not next(events.snapshot()).events
     events.handle(frames(3, stored([5], None, list(range(4)))))
     events.handle(frames(9, stored([6], None, list(range(4, 8)))))  # 4-8 were lost
     # What the lost events did is unknown: only what came after the gap is claimed.
-    assert [e.stored.block_hashes[0] for e in events.snapshot()[0].events] == [6]
+    assert [e.stored.block_hashes[0] for e in next(events.snapshot()).events] == [6]
 
 
 def test_a_large_cache_is_told_in_bounded_batches_and_the_stream_follows() -> None:
