@@ -104,22 +104,21 @@ class KvAware:
             + self.load_weight * load_score(c) * TOKENS_PER_REQUEST_WEIGHT
             for i, c in enumerate(candidates)
         ]
-        chosen: Candidate
         if self.temperature == 0:
             start = next(self._tie) % len(candidates)
             order = [*range(start, len(candidates)), *range(start)]
-            chosen = candidates[min(order, key=lambda i: costs[i])]
+            pick = min(order, key=lambda i: costs[i])
         else:
             scale = self.temperature * size * max(1, blocks)
             low = min(costs)
             weights = [math.exp(-(c - low) / scale) for c in costs]
-            chosen = candidates[self._rng.choices(range(len(candidates)), weights=weights)[0]]
+            pick = self._rng.choices(range(len(candidates)), weights=weights)[0]
+        chosen: Candidate = candidates[pick]
         if self.learn:
             self.index.learn(chosen.address, keys)
-        i = candidates.index(chosen)
         self._routed += 1
         self._pressure[chosen.address] = (
-            pressure[i] + len(keys) - held[chosen.address],
+            pressure[pick] + len(keys) - held[chosen.address],
             self._routed,
         )
         return chosen
