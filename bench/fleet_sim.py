@@ -18,6 +18,7 @@ import inspect
 import json
 import os
 import platform
+import random
 import shlex
 import statistics
 import sys
@@ -32,7 +33,14 @@ from typing import Any
 
 import switchyard_runtime as rt
 
-from bench.fleet_workload import TenantSpec, Workload, WorkloadSpec, describe, make_workload
+from bench.fleet_workload import (
+    TenantSpec,
+    Workload,
+    WorkloadSpec,
+    describe,
+    make_workload,
+    reuse_ceiling,
+)
 from control.routing import POLICIES, IndexedPolicy, Policy, RouteRequest, make_policy
 from control.routing.kv_index import KvIndex
 
@@ -104,6 +112,7 @@ class Result:
     max_worker_requests: int
     min_worker_requests: int
     wall_s: float
+    routers: int = 1
 
 
 def build_policy(name: str, seed: int) -> Policy:
@@ -126,15 +135,30 @@ def simulate(
     policy: Policy | None = None,
     cached_out: list[int] | None = None,
     ttft_out: list[float] | None = None,
+    routers: int = 1,
 ) -> Result:
     """Route `workload` over `n_workers` simulated workers with the named policy (or the
     given one). `cached_out` and `ttft_out`, if given, get each request's cached prompt
-    tokens and TTFT in ms, by request index."""
+    tokens and TTFT in ms, by request index.
+
+    With `routers` > 1 there are that many router processes (`serve --routers N`), each
+    with its own instance of the policy, and each request reaches one drawn at random, as
+    the kernel spreads callers' connections: a policy knows only what its own router
+    routed, and what the engines' events tell every router."""
     params = params or SimParams()
-    policy = policy or build_policy(policy_name, seed)
+    if routers < 1:
+        raise ValueError("routers must be at least 1")
+    if policy is not None and routers > 1:
+        raise ValueError("a given policy is one router's; pass routers=1")
+    policies = (
+        [policy]
+        if policy is not None
+        else [build_policy(policy_name, seed + r) for r in range(routers)]
+    )
+    draw = random.Random(seed)
     # A policy that follows KV-cache events gets every simulator's, as the control plane
-    # feeds it the workers' SubscribeKvEvents streams.
-    index = policy.index if isinstance(policy, IndexedPolicy) and policy.follows_events else None
+    # feeds it (every router) the workers' SubscribeKvEvents streams.
+    indexes = [p.index for p in policies if isinstance(p, IndexedPolicy) and p.follows_events]
     started = time.perf_counter()
     workers = [SimWorker(i, params) for i in range(n_workers)]
     n = workload.requests
@@ -152,7 +176,8 @@ def simulate(
             k = next_arrival
             next_arrival += 1
             prompt = workload.prompt(k)
-            chosen = policy.choose(
+            router = policies[draw.randrange(routers)] if routers > 1 else policies[0]
+            chosen = router.choose(
                 workers, RouteRequest(prompt, max_tokens[k], params.tokens_per_block)
             )
             assert isinstance(chosen, SimWorker)
@@ -194,8 +219,8 @@ def simulate(
                     cached_out[k] = r.cached_prompt_tokens
                 done += 1
                 end_us = max(end_us, w.t)
-        if index is not None:
-            feed_events(index, w)
+        if indexes:
+            feed_events(indexes, w)
         stats = w.sim.latest_stats()
         w.running, w.waiting = stats.active_requests, stats.queued_requests
         w.in_flight_at_report = w.in_flight
@@ -225,21 +250,23 @@ def simulate(
         max_worker_requests=max(per_worker),
         min_worker_requests=min(per_worker),
         wall_s=wall_s,
+        routers=routers,
     )
 
 
-def feed_events(index: KvIndex, w: SimWorker) -> None:
-    """The simulator's KV-cache events since the last call, into the index."""
+def feed_events(indexes: Sequence[KvIndex], w: SimWorker) -> None:
+    """The simulator's KV-cache events since the last call, into every index."""
     got = w.sim.take_kv_events(_NOW)
-    if got.lost:
-        index.cleared(w.address)
-    for e in got.events:
-        if e.kind == "stored":
-            index.stored(w.address, e.block_hashes, e.parent_hash, e.tokens, e.block_size)
-        elif e.kind == "removed":
-            index.removed(w.address, e.block_hashes)
-        else:
+    for index in indexes:
+        if got.lost:
             index.cleared(w.address)
+        for e in got.events:
+            if e.kind == "stored":
+                index.stored(w.address, e.block_hashes, e.parent_hash, e.tokens, e.block_size)
+            elif e.kind == "removed":
+                index.removed(w.address, e.block_hashes)
+            else:
+                index.cleared(w.address)
 
 
 COLUMNS = "policy|output tok/s|req/s|TTFT p50 ms|TTFT p99 ms|prefix-cache hit rate|sim wall s"
@@ -318,9 +345,14 @@ def machine() -> dict[str, str]:
 
 
 def report(
-    command: str, spec: WorkloadSpec | TenantSpec, p: SimParams, results: Sequence[Result]
+    command: str,
+    spec: WorkloadSpec | TenantSpec,
+    p: SimParams,
+    results: Sequence[Result],
+    ceiling: tuple[int, int],
 ) -> str:
-    """The markdown report of one run."""
+    """The markdown report of one run; `ceiling` is the traffic's reuse ceiling (cached,
+    prompt tokens; `fleet_workload.reuse_ceiling`)."""
     m = machine()
     n_workers = results[0].workers
     return reflow(f"""# Fleet simulation: routing policies on {n_workers} simulated workers
@@ -343,7 +375,10 @@ not measurements of any GPU or engine.
   reserves prompt plus `max_tokens` when admitted (at most {p.max_batch} running), the rest
   wait in FIFO order.
 - Prefix cache: an LRU of {p.prefix_cache_blocks} full prompt blocks per worker; a prompt
-  whose leading blocks are cached skips their prefill.
+  whose leading blocks are cached skips their prefill. A prompt's blocks are evicted from
+  its end (its first block counts as the most recently used), as vLLM frees a request's
+  blocks.
+- Routers: {routers_line(results[0].routers)}
 - Workload: {describe(spec)} Every policy gets the same arrivals.
 - Event loop: each worker has its own clock; the next event is the next arrival or an
   iteration of the busy worker whose clock is furthest behind. A request is routed with
@@ -367,8 +402,20 @@ Machine: nproc {m["nproc"]}, {m["cpu"]}, Python {m["python"]}.
 
 {markdown_table(results)}
 
+The traffic's reuse ceiling, the hit rate of one cache that never evicts (what no
+routing can beat), is {ceiling[0] / ceiling[1]:.1%}.
 {" ".join(interpret(results, spec.rate))}
 """)
+
+
+def routers_line(routers: int) -> str:
+    if routers == 1:
+        return "one; the policy sees every request."
+    return (
+        f"{routers} (`serve --routers {routers}`), each with its own instance of the policy; "
+        "each request reaches one drawn at random, so a policy's own memory holds what its "
+        "router routed, while the engines' events reach every router."
+    )
 
 
 def reflow(md: str, width: int = 90) -> str:
@@ -425,6 +472,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--routers", type=int, default=1, help="router processes, each with its own policy"
+    )
+    ap.add_argument(
         "--policies",
         nargs="+",
         default=list(POLICIES),
@@ -459,18 +509,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("  ".join(c.rjust(w) for c, w in zip(COLUMNS.split("|"), widths, strict=True)))
     results = []
     for name in args.policies:
-        r = simulate(name, workload, args.workers, params, seed=args.seed)
+        r = simulate(name, workload, args.workers, params, seed=args.seed, routers=args.routers)
         results.append(r)
         print("  ".join(c.rjust(w) for c, w in zip(row(r), widths, strict=True)), flush=True)
         if r.completed != r.requests:
             print(f"{name}: only {r.completed} of {r.requests} completed", file=sys.stderr)
             return 1
+    ceiling = reuse_ceiling(workload, params.tokens_per_block)
+    print(f"reuse ceiling (one cache that never evicts): {ceiling[0] / ceiling[1]:.1%}")
     given = sys.argv[1:] if argv is None else list(argv)
     command = shlex.join(["python", "-m", "bench.fleet_sim", *given])
     if args.markdown:
-        args.markdown.write_text(report(command, spec, params, results))
+        args.markdown.write_text(report(command, spec, params, results, ceiling))
     if args.json:
         data: dict[str, Any] = {"command": command, "workload": asdict(spec)}
+        data["reuse_ceiling"] = {"cached_prompt_tokens": ceiling[0], "prompt_tokens": ceiling[1]}
         data |= {"sim": asdict(params), "machine": machine()}
         data["results"] = [asdict(r) for r in results]
         args.json.write_text(json.dumps(data, indent=2) + "\n")

@@ -20,6 +20,8 @@ from array import array
 from dataclasses import dataclass
 from itertools import chain
 
+from control.routing.kv_index import prompt_keys
+
 FIRST_ORDINARY_TOKEN = 4  # the simulator leaves ids below this to special tokens
 
 
@@ -194,3 +196,22 @@ def describe(spec: WorkloadSpec | TenantSpec) -> str:
         f"{spec.unique_share:.0%} of requests are one-off prompts of {lo_q}-{hi_q} tokens "
         f"that share nothing."
     )
+
+
+def reuse_ceiling(workload: Workload, block_size: int) -> tuple[int, int]:
+    """(cached, prompt) tokens if every request found cached every full block that an
+    earlier request's prompt computed: one cache that never evicts. No routing over caches
+    of any size does better. As engines count it, the last prompt token is always
+    computed."""
+    seen: set[int] = set()
+    cached = total = 0
+    for k in range(workload.requests):
+        prompt = workload.prompt(k)
+        keys = prompt_keys(prompt, block_size)
+        hit = 0
+        while hit < len(keys) and keys[hit] in seen:
+            hit += 1
+        seen.update(keys)
+        cached += min(hit * block_size, len(prompt) - 1)
+        total += len(prompt)
+    return cached, total

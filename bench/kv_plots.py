@@ -6,7 +6,8 @@
 
 `--sim` takes `bench.fleet_sim --json` files (one per seed: bars are the mean, whiskers
 the range); `--rates` such files at several offered loads (TTFT p99 against the load);
-`--real` a `bench.kv_routing --json` file. Needs matplotlib (the bench extra).
+`--real` a `bench.kv_routing --json` file (bars per number of routers). Needs matplotlib
+(the bench extra).
 """
 
 from __future__ import annotations
@@ -99,19 +100,44 @@ def plot_rates(files: Sequence[Path], out: Path) -> Path:
 
 
 def plot_real(file: Path, out: Path) -> Path:
+    """One group of bars per policy, one bar per number of routers (the mean over the
+    seeds, whiskers the range); the traffic's reuse ceiling (mean) as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = _by_policy([file], ("engine_hit_rate", "ttft_p50_ms", "ttft_p99_ms"))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
-    _bars(axes[0], data, "engine_hit_rate", 100)
+    run = json.loads(file.read_text())
+    results = run["results"]
+    names = list(dict.fromkeys(r["policy"] for r in results))
+    routers = sorted({r.get("routers", 1) for r in results})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    width = 0.8 / len(routers)
+    for j, n in enumerate(routers):
+        xs = [i + (j - (len(routers) - 1) / 2) * width for i in range(len(names))]
+        label = f"{n} router{'s' if n > 1 else ''}"
+        for ax, field, scale in ((axes[0], "engine_hit_rate", 100), (axes[1], "ttft_p99_ms", 1)):
+            values = [
+                [r[field] * scale for r in results if r["policy"] == p and r.get("routers", 1) == n]
+                for p in names
+            ]
+            means = [statistics.mean(v) if v else 0.0 for v in values]
+            low = [m - min(v, default=m) for m, v in zip(means, values, strict=True)]
+            high = [max(v, default=m) - m for m, v in zip(means, values, strict=True)]
+            edges = ["tab:red" if p == "kv_aware" else "black" for p in names]
+            ax.bar(xs, means, width, yerr=[low, high], capsize=2, label=label, edgecolor=edges)
+    ceilings = run.get("reuse_ceiling", {}).values()
+    if ceilings:
+        rate = statistics.mean(
+            100 * c["cached_prompt_tokens"] / c["prompt_tokens"] for c in ceilings
+        )
+        axes[0].axhline(rate, color="tab:red", linestyle="--", linewidth=1, label="reuse ceiling")
+    for ax in axes:
+        ax.set_xticks(range(len(names)), names, rotation=35, fontsize=8)
     axes[0].set_ylabel("hit rate the engines report, % of prompt tokens")
-    _bars(axes[1], data, "ttft_p99_ms")
     axes[1].set_ylabel("TTFT p99, ms")
-    meta = json.loads(file.read_text())
-    title = f"{meta['workers']} vLLM CPU workers behind the control plane, tenants' traffic"
+    axes[0].legend(fontsize=8, loc="lower right")
+    title = f"{run['workers']} vLLM CPU workers behind the control plane, tenants' traffic"
     return _save(fig, title, out / "real.png")
 
 

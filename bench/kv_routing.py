@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ import grpc
 import structlog
 
 from bench import systems
-from bench.fleet_workload import TenantSpec, Workload, describe, make_workload
+from bench.fleet_workload import TenantSpec, Workload, describe, make_workload, reuse_ceiling
 from switchyard_common.logs import configure_logging
 from switchyard_common.tinymodel import ensure_tiny_model
 
@@ -54,6 +55,7 @@ BLOCK_TOKENS = 128  # vLLM's CPU backend
 # (or 40) blocks each of 3 workers held everything 6 tenants' traffic reuses, and the
 # cache-aware policies all came within 2% of the same hit rate.
 CACHE_BLOCKS = 32
+CHANNELS = 16
 SPEC = TenantSpec(
     requests=150,
     rate=3.0,
@@ -73,6 +75,8 @@ SPEC = TenantSpec(
 @dataclass(frozen=True, slots=True)
 class RealResult:
     policy: str
+    seed: int  # the traffic's
+    routers: int  # control-plane processes (serve --routers)
     requests: int
     completed: int
     errors: int
@@ -82,8 +86,9 @@ class RealResult:
     ttft_p50_ms: float
     ttft_p99_ms: float
     output_tok_s: float
-    # Each worker's share of the requests in flight, sampled every 100 ms (ListWorkers)
-    in_flight_share: dict[str, float]
+    request_share: dict[str, float]  # each worker's share of the requests it served
+    # Per request, by index: (worker, prompt tokens, cached prompt tokens, TTFT ms)
+    trace: list[tuple[str, int, int, float]]
 
 
 def permuted(workload: Workload, seed: int) -> list[list[int]]:
@@ -96,18 +101,31 @@ def permuted(workload: Workload, seed: int) -> list[list[int]]:
 
 
 async def run_policy(
-    address: str, workload: Workload, prompts: list[list[int]], policy: str
+    address: str,
+    workload: Workload,
+    prompts: list[list[int]],
+    policy: str,
+    routers: int,
+    lanes_seed: int,
 ) -> RealResult:
     from switchyard.v1 import generation_pb2 as pb
     from switchyard.v1 import generation_pb2_grpc
 
     ttft: list[float] = []
-    in_flight: dict[str, float] = {}
+    trace: list[tuple[str, int, int, float]] = [("", 0, 0, float("nan"))] * workload.requests
     prompt_tokens = cached = tokens = errors = 0
+    # Each request on one of CHANNELS connections, drawn at random: callers are many
+    # services, and with `--routers N` the kernel spreads connections across the routers.
+    draw = random.Random(lanes_seed)
+    lanes = [draw.randrange(CHANNELS) for _ in range(workload.requests)]
     started = time.perf_counter()
 
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+    async with contextlib.AsyncExitStack() as stack:
+        stubs = []
+        for _ in range(CHANNELS):
+            own = [("grpc.use_local_subchannel_pool", 1)]  # a connection of its own
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(address, own))
+            stubs.append(generation_pb2_grpc.GenerationStub(channel))
 
         async def one(k: int) -> None:
             nonlocal prompt_tokens, cached, tokens, errors
@@ -121,14 +139,22 @@ async def run_policy(
             sent = time.perf_counter()
             first: float | None = None
             try:
-                async for msg in stub.Generate(req, timeout=600):
+                async for msg in stubs[lanes[k]].Generate(req, timeout=600):
                     if first is None:
                         first = time.perf_counter() - sent
                     if msg.HasField("chunk"):
                         tokens += len(msg.chunk.token_ids)
                     if msg.HasField("final"):
-                        prompt_tokens += msg.final.usage.prompt_tokens
-                        cached += msg.final.usage.cached_prompt_tokens
+                        usage = msg.final.usage
+                        prompt_tokens += usage.prompt_tokens
+                        cached += usage.cached_prompt_tokens
+                        ms = (first or 0.0) * 1000
+                        trace[k] = (
+                            msg.final.worker,
+                            usage.prompt_tokens,
+                            usage.cached_prompt_tokens,
+                            ms,
+                        )
             except grpc.aio.AioRpcError as e:
                 errors += 1
                 log.warning("request failed", policy=policy, request=k, code=e.code().name)
@@ -136,13 +162,14 @@ async def run_policy(
             if first is not None:
                 ttft.append(first * 1000)
 
-        sampler = asyncio.create_task(sample_in_flight(channel, in_flight))
         await asyncio.gather(*(one(k) for k in range(workload.requests)))
-        sampler.cancel()
     wall = time.perf_counter() - started
     q = statistics.quantiles(ttft, n=100, method="inclusive") if len(ttft) > 1 else [0.0] * 99
+    served = Counter(w for w, *_ in trace if w)
     return RealResult(
         policy=policy,
+        seed=workload.spec.seed,
+        routers=routers,
         requests=workload.requests,
         completed=len(ttft),
         errors=errors,
@@ -152,22 +179,11 @@ async def run_policy(
         ttft_p50_ms=q[49],
         ttft_p99_ms=q[98],
         output_tok_s=tokens / wall,
-        in_flight_share={
-            w: round(n / (sum(in_flight.values()) or 1), 3) for w, n in sorted(in_flight.items())
+        request_share={
+            w: round(n / max(1, sum(served.values())), 3) for w, n in sorted(served.items())
         },
+        trace=trace,
     )
-
-
-async def sample_in_flight(channel: grpc.aio.Channel, into: dict[str, float]) -> None:
-    """Adds each worker's in-flight requests (this control plane's) every 100 ms."""
-    from switchyard.v1 import admin_pb2, admin_pb2_grpc
-
-    stub = admin_pb2_grpc.AdminStub(channel)
-    while True:
-        reply = await stub.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=10)
-        for w in reply.workers:
-            into[w.address] = into.get(w.address, 0.0) + w.in_flight
-        await asyncio.sleep(0.1)
 
 
 async def fill_caches(addresses: Sequence[str], blocks: int, seed: int) -> None:
@@ -202,17 +218,31 @@ def model_yaml(model: Path, workers: Sequence[str], policy: str, kv_aware: dict[
 
 def markdown(results: Sequence[RealResult]) -> str:
     lines = [
-        "| policy | engine-reported hit rate | cached / prompt tokens | TTFT p50 ms | "
-        "TTFT p99 ms | output tok/s | completed |",
-        "|---|---|---|---|---|---|---|",
+        "| routers | seed | policy | engine-reported hit rate | cached / prompt tokens | "
+        "TTFT p50 ms | TTFT p99 ms | output tok/s | completed |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r.policy} | {r.engine_hit_rate:.1%} | {r.cached_prompt_tokens:,} / "
-            f"{r.prompt_tokens:,} | {r.ttft_p50_ms:,.0f} | {r.ttft_p99_ms:,.0f} | "
-            f"{r.output_tok_s:,.1f} | {r.completed}/{r.requests} |"
+            f"| {r.routers} | {r.seed} | {r.policy} | {r.engine_hit_rate:.1%} | "
+            f"{r.cached_prompt_tokens:,} / {r.prompt_tokens:,} | {r.ttft_p50_ms:,.0f} | "
+            f"{r.ttft_p99_ms:,.0f} | {r.output_tok_s:,.1f} | {r.completed}/{r.requests} |"
         )
     return "\n".join(lines)
+
+
+def variant(text: str) -> tuple[str, dict[str, float]]:
+    """`LABEL=JSON`: a kv_aware run with those weights."""
+    label, sep, weights = text.partition("=")
+    if not sep or not label:
+        raise argparse.ArgumentTypeError(f"expected LABEL=JSON, got {text!r}")
+    try:
+        parsed = json.loads(weights)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{label}: weights are not JSON: {e}") from e
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"{label}: weights must be a JSON object")
+    return label, parsed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -221,7 +251,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=SPEC.requests)
     ap.add_argument("--rate", type=float, default=SPEC.rate, help="arrivals per second")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="the traffic's, in turn")
+    ap.add_argument(
+        "--routers",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="control-plane processes (serve --routers), in turn",
+    )
     ap.add_argument(
         "--cache-blocks", type=int, default=CACHE_BLOCKS, help="KV blocks of 128 tokens a worker"
     )
@@ -232,15 +269,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         default={},
         help='kv_aware\'s weights, e.g. {"load_weight": 0.1}',
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=variant,
+        metavar="LABEL=JSON",
+        help="also run kv_aware with these weights, reported as LABEL: "
+        "e0='{\"eviction_weight\": 0}'",
+    )
     args = ap.parse_args(argv)
     configure_logging()
-    spec = TenantSpec(
-        **{**asdict(SPEC), "requests": args.requests, "rate": args.rate, "seed": args.seed}
-    )
-    workload = make_workload(spec, VOCAB)
+    specs = [
+        TenantSpec(**{**asdict(SPEC), "requests": args.requests, "rate": args.rate, "seed": seed})
+        for seed in args.seeds
+    ]
     model = ensure_tiny_model()
     engine = {**systems.ENGINE_SETTINGS, "num_gpu_blocks_override": args.cache_blocks}
     results: list[RealResult] = []
+    ceilings: dict[int, tuple[int, int]] = {}
     with tempfile.TemporaryDirectory(prefix="kv-routing-") as tmp, contextlib.ExitStack() as stack:
         logs = Path(tmp)
         addresses = []
@@ -248,28 +295,48 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.info("starting vLLM worker", worker=i + 1, of=args.workers)
             running = stack.enter_context(systems.pyworker(model, logs, engine))
             addresses.append(running.address)
-        for i, policy in enumerate(args.policies):
-            prompts = permuted(workload, args.seed * 1000 + i + 1)
-            asyncio.run(fill_caches(addresses, args.cache_blocks, args.seed * 1000 + i))
-            yaml = model_yaml(model, addresses, policy, args.kv_aware)
-            with systems.control_plane(yaml, logs, name=f"control-{policy}") as (address, _):
-                log.info("running", policy=policy, requests=workload.requests)
-                r = asyncio.run(run_policy(address, workload, prompts, policy))
-            results.append(r)
-            shares = " ".join(f"{s:.2f}" for s in r.in_flight_share.values())
-            print(
-                f"{policy:16s} hit {r.engine_hit_rate:6.1%}  TTFT p50 {r.ttft_p50_ms:7.0f} ms  "
-                f"p99 {r.ttft_p99_ms:7.0f} ms  {r.output_tok_s:6.1f} tok/s  "
-                f"{r.completed}/{r.requests}  in flight by worker {shares}",
-                flush=True,
-            )
+        runs = [(p, p, args.kv_aware) for p in args.policies] + [
+            (label, "kv_aware", weights) for label, weights in args.variant
+        ]
+        i = 0  # every run's own token permutation and filler
+        for spec in specs:
+            workload = make_workload(spec, VOCAB)
+            ceilings[spec.seed] = reuse_ceiling(workload, BLOCK_TOKENS)
+            for routers in args.routers:
+                for label, policy, weights in runs:
+                    i += 1
+                    prompts = permuted(workload, spec.seed * 1000 + i)
+                    asyncio.run(fill_caches(addresses, args.cache_blocks, spec.seed * 1000 + i))
+                    yaml = model_yaml(model, addresses, policy, weights)
+                    name = f"control-{i}-{policy}"
+                    with systems.control_plane(yaml, logs, name=name, routers=routers) as (
+                        address,
+                        _,
+                    ):
+                        log.info("running", policy=label, seed=spec.seed, routers=routers)
+                        r = asyncio.run(run_policy(address, workload, prompts, label, routers, i))
+                    results.append(r)
+                    shares = " ".join(f"{s:.2f}" for s in r.request_share.values())
+                    print(
+                        f"routers {routers} seed {spec.seed} {label:16s} "
+                        f"hit {r.engine_hit_rate:6.1%}  TTFT p50 {r.ttft_p50_ms:7.0f} ms  "
+                        f"p99 {r.ttft_p99_ms:7.0f} ms  {r.output_tok_s:6.1f} tok/s  "
+                        f"{r.completed}/{r.requests}  requests by worker {shares}",
+                        flush=True,
+                    )
     print(markdown(results))
+    for seed, (cached, total) in ceilings.items():
+        print(f"seed {seed}: reuse ceiling (one cache that never evicts) {cached / total:.1%}")
     if args.json:
         data: dict[str, Any] = {
             "command": " ".join(["python", "-m", "bench.kv_routing", *(argv or sys.argv[1:])]),
-            "workload": describe(spec),
+            "workload": [describe(spec) for spec in specs],
             "workers": args.workers,
             "engine_args": engine,
+            "reuse_ceiling": {
+                str(seed): {"cached_prompt_tokens": c, "prompt_tokens": t}
+                for seed, (c, t) in ceilings.items()
+            },
             "results": [asdict(r) for r in results],
         }
         args.json.write_text(json.dumps(data, indent=2) + "\n")

@@ -311,8 +311,10 @@ void SimExecutor::remember_prefix_locked(const Tokens& prompt) {
     if (!stored.block_hashes.empty()) kv_event_locked(std::move(stored));
     stored = KvCacheEvent{};
   };
+  std::vector<std::uint64_t> blocks;  // the prompt's, in order
   for (std::size_t start = 0; start + B <= prompt.size(); start += B) {
     for (std::size_t i = start; i < start + B; ++i) h = mix(h ^ static_cast<std::uint32_t>(prompt[i]));
+    blocks.push_back(h);
     auto it = lru_index_.find(h);
     if (it != lru_index_.end()) {
       lru_.splice(lru_.begin(), lru_, it->second);
@@ -337,6 +339,12 @@ void SimExecutor::remember_prefix_locked(const Tokens& prompt) {
     parent = h;
   }
   flush();
+  // The prompt's first block most recently used, its last least: a prefix is evicted from
+  // its end, as vLLM frees a request's blocks last first and TensorRT-LLM evicts leaves.
+  for (auto b = blocks.rbegin(); b != blocks.rend(); ++b) {
+    auto it = lru_index_.find(*b);
+    if (it != lru_index_.end()) lru_.splice(lru_.begin(), lru_, it->second);
+  }
   // After the stores, so that a block stored and evicted by the same prompt ends removed.
   if (!removed.block_hashes.empty()) kv_event_locked(std::move(removed));
 }

@@ -206,6 +206,31 @@ TEST(SimExecutor, KvEventsSayWhichBlocksItStoresAndEvicts) {
   EXPECT_TRUE(sim.take_kv_events(std::chrono::milliseconds(1)).events.empty());
 }
 
+TEST(SimExecutor, APrefixIsEvictedFromItsEnd) {
+  SimConfig c = virtual_config();
+  c.tokens_per_block = 4;
+  c.prefix_cache_blocks = 3;
+  SimExecutor sim(c);
+  std::map<RequestId, Tokens> tokens;
+  const Tokens a = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  sim.enqueue(request(a, 1));
+  run_all(sim, &tokens);
+  // Two new blocks make room by evicting one: the first prompt's last, not its first.
+  sim.enqueue(request({7, 7, 7, 7, 6, 6, 6, 6, 5}, 1));
+  run_all(sim, &tokens);
+  KvCacheEvents events = sim.take_kv_events(std::chrono::milliseconds(0));
+  ASSERT_FALSE(events.events.empty());
+  const KvCacheEvent& stored_a = events.events.front();
+  const KvCacheEvent& gone = events.events.back();
+  ASSERT_EQ(gone.kind, KvCacheEvent::Kind::kRemoved);
+  ASSERT_EQ(stored_a.block_hashes.size(), 2u);
+  EXPECT_EQ(gone.block_hashes, (std::vector<std::uint64_t>{stored_a.block_hashes[1]}));
+  // So the first prompt again finds its first block.
+  auto id = sim.enqueue(request(a, 1));
+  auto finals = run_all(sim, &tokens);
+  EXPECT_EQ(finals[id].cached_prompt_tokens, 4);
+}
+
 TEST(SimExecutor, PriorityOrdersTheQueue) {
   auto c = virtual_config();
   c.max_batch = 1;

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from array import array
 
 import pytest
 
+from bench import kv_routing
 from bench.fleet_sim import TENANT_SIM, Result, TenantSpec, WorkloadSpec, make_workload, simulate
+from bench.fleet_workload import Workload, reuse_ceiling
 from control.routing import POLICIES
 
 WORKERS = 8
@@ -79,3 +82,56 @@ def test_event_fed_policies_hit_the_cache_more_than_round_robin_on_tenants_traff
     assert got["kv_aware"].prefix_hit_rate >= spread + 0.1
     assert got["cache_aware"].prefix_hit_rate >= spread + 0.1
     assert got["dynamo_cost"].prefix_hit_rate > spread
+
+
+def test_with_several_routers_only_the_event_fed_policy_keeps_its_hit_rate() -> None:
+    # The small fleet of bench/kv_routing: 3 workers, 32-block caches of 128-token blocks.
+    spec = kv_routing.SPEC
+    params = dataclasses.replace(
+        TENANT_SIM,
+        tokens_per_block=kv_routing.BLOCK_TOKENS,
+        kv_blocks=256,
+        prefix_cache_blocks=kv_routing.CACHE_BLOCKS,
+        vocab_size=kv_routing.VOCAB,
+    )
+    w = make_workload(spec, params.vocab_size)
+    hit = {
+        (name, routers): simulate(name, w, 3, params, routers=routers).prefix_hit_rate
+        for name in ("kv_aware", "cache_aware")
+        for routers in (1, 4)
+    }
+    # cache_aware learns only from what its own router routed: a quarter of the traffic.
+    # Measured on seeds 0-5: cache_aware 0.63-0.70 with one router, 0.49-0.52 with four;
+    # kv_aware 0.63-0.70 with either.
+    assert hit["cache_aware", 4] < hit["cache_aware", 1] - 0.1
+    assert hit["kv_aware", 4] > hit["kv_aware", 1] - 0.03
+    assert hit["kv_aware", 4] > hit["cache_aware", 4] + 0.1
+
+
+def test_routers_must_be_at_least_one() -> None:
+    with pytest.raises(ValueError, match="routers"):
+        simulate("kv_aware", make_workload(SPEC), WORKERS, routers=0)
+
+
+def test_the_reuse_ceiling_counts_blocks_an_earlier_prompt_computed() -> None:
+    a, b, c = [5] * 4, [6] * 4, [7] * 4
+    prompts = [a + b + [1], a + b + c, b + a, a + c]  # blocks of 4 tokens
+    w = Workload(
+        WorkloadSpec(),
+        array("d", range(4)),
+        [(array("i", p),) for p in prompts],
+        array("i", [1] * 4),
+        array("i", [0] * 4),
+        array("i", [0] * 4),
+    )
+    # Nothing; both blocks (all but the last token); nothing (b is not first); a only.
+    assert reuse_ceiling(w, 4) == (0 + 8 + 0 + 4, 9 + 12 + 8 + 8)
+
+
+def test_no_policy_caches_more_than_the_reuse_ceiling() -> None:
+    w = make_workload(TENANTS)
+    ceiling, total = reuse_ceiling(w, TENANT_SIM.tokens_per_block)
+    for name in ("kv_aware", "cache_aware", "prefix_affinity"):
+        r = simulate(name, w, WORKERS, TENANT_SIM)
+        assert r.prompt_tokens == total, name
+        assert r.cached_prompt_tokens <= ceiling, name
