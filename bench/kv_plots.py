@@ -2,12 +2,13 @@
 
     python -m bench.kv_plots --sim docs/kv-routing/sim-seed*.json \\
         --rates docs/kv-routing/sim-rate*.json docs/kv-routing/sim-seed0.json \\
-        --real docs/kv-routing/real.json --out docs/kv-routing
+        --real docs/kv-routing/real.json --restart docs/kv-routing/real-restart.json \\
+        --out docs/kv-routing
 
 `--sim` takes `bench.fleet_sim --json` files (one per seed: bars are the mean, whiskers
 the range); `--rates` such files at several offered loads (TTFT p99 against the load);
-`--real` a `bench.kv_routing --json` file (bars per number of routers). Needs matplotlib
-(the bench extra).
+`--real` and `--restart` `bench.kv_routing --json` files (bars per number of routers and
+of restarts). Needs matplotlib (the bench extra).
 """
 
 from __future__ import annotations
@@ -99,9 +100,9 @@ def plot_rates(files: Sequence[Path], out: Path) -> Path:
     )
 
 
-def plot_real(file: Path, out: Path) -> Path:
-    """One group of bars per policy, one bar per number of routers (the mean over the
-    seeds, whiskers the range); the traffic's reuse ceiling (mean) as a dashed line."""
+def plot_real(file: Path, out: Path, name: str = "real.png") -> Path:
+    """One group of bars per policy, one bar per number of routers and of restarts (the
+    mean over the seeds, whiskers the range); the reuse ceiling (mean) as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,15 +111,24 @@ def plot_real(file: Path, out: Path) -> Path:
     run = json.loads(file.read_text())
     results = run["results"]
     names = list(dict.fromkeys(r["policy"] for r in results))
-    routers = sorted({r.get("routers", 1) for r in results})
+
+    def setup(r: dict[str, Any]) -> tuple[int, int]:
+        return r.get("routers", 1), r.get("restarts", 0)
+
+    setups = sorted({setup(r) for r in results})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    width = 0.8 / len(routers)
-    for j, n in enumerate(routers):
-        xs = [i + (j - (len(routers) - 1) / 2) * width for i in range(len(names))]
+    width = 0.8 / len(setups)
+    for j, (n, restarts) in enumerate(setups):
+        xs = [i + (j - (len(setups) - 1) / 2) * width for i in range(len(names))]
         label = f"{n} router{'s' if n > 1 else ''}"
+        label += f", {restarts} restart{'s' if restarts > 1 else ''}" if restarts else ""
         for ax, field, scale in ((axes[0], "engine_hit_rate", 100), (axes[1], "ttft_p99_ms", 1)):
             values = [
-                [r[field] * scale for r in results if r["policy"] == p and r.get("routers", 1) == n]
+                [
+                    r[field] * scale
+                    for r in results
+                    if r["policy"] == p and setup(r) == (n, restarts)
+                ]
                 for p in names
             ]
             means = [statistics.mean(v) if v else 0.0 for v in values]
@@ -138,7 +148,7 @@ def plot_real(file: Path, out: Path) -> Path:
     axes[1].set_ylabel("TTFT p99, ms")
     axes[0].legend(fontsize=8, loc="lower right")
     title = f"{run['workers']} vLLM CPU workers behind the control plane, tenants' traffic"
-    return _save(fig, title, out / "real.png")
+    return _save(fig, title, out / name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -146,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sim", type=Path, nargs="*", default=[])
     ap.add_argument("--rates", type=Path, nargs="*", default=[])
     ap.add_argument("--real", type=Path)
+    ap.add_argument("--restart", type=Path, help="a kv_routing --restarts file")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -155,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(plot_rates(args.rates, args.out))
     if args.real:
         print(plot_real(args.real, args.out))
+    if args.restart:
+        print(plot_real(args.restart, args.out, "restart.png"))
     return 0
 
 

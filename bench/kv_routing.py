@@ -2,14 +2,18 @@
 of the fleet simulation, smaller, through the control plane; the hit rates are what the
 engines report (each request's `usage.cached_prompt_tokens`, vLLM's num_cached_tokens).
 
-    python -m bench.kv_routing --workers 3 --requests 120 --json docs/kv-routing-real.json
+    python -m bench.kv_routing --seeds 0 1 --routers 1 4 --json docs/kv-routing/real.json
+    python -m bench.kv_routing --policies kv_aware cache_aware prefix_affinity \
+        --seeds 0 1 --restarts 1 --json docs/kv-routing/real-restart.json
 
-The workers start once; each policy gets a fresh control plane in front of them. So that
-one policy's run never hits blocks cached by another's, each run maps the token ids
-through its own permutation: every prompt keeps its shape (what it shares with which
-other prompt), but no block is the same as in another run. Before each run every
-worker's cache is filled with prompts of its own, called on the worker directly, so that
-every policy starts from the same state: caches full of blocks nothing will reuse.
+The workers start once; each policy's run (per seed, number of routers and of restarts)
+gets a fresh control plane in front of them. So that one run never hits blocks cached by
+another's, each run maps the token ids through its own permutation: every prompt keeps
+its shape (what it shares with which other prompt), but no block is the same as in
+another run. Before each run every worker's cache is filled with prompts of its own,
+called on the worker directly, so that every run starts from the same state: caches full
+of blocks nothing will reuse. With `--restarts N` the control plane is replaced by a fresh
+one N times during the run, as a deploy does; the workers keep what they cache.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import random
 import statistics
@@ -25,7 +30,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +82,7 @@ class RealResult:
     policy: str
     seed: int  # the traffic's
     routers: int  # control-plane processes (serve --routers)
+    restarts: int  # times the control plane was replaced by a fresh one during the run
     requests: int
     completed: int
     errors: int
@@ -100,24 +106,61 @@ def permuted(workload: Workload, seed: int) -> list[list[int]]:
     return [[table[t] for t in workload.prompt(k)] for k in range(workload.requests)]
 
 
-async def run_policy(
+@dataclass(slots=True)
+class Tally:
+    """What a policy's run has seen so far, over one control plane or several in turn."""
+
+    requests: int
+    ttft: list[float] = field(default_factory=list)
+    trace: list[tuple[str, int, int, float]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached: int = 0
+    tokens: int = 0
+    errors: int = 0
+    sending_s: float = 0.0  # wall time spent sending, restarts excluded
+
+    def __post_init__(self) -> None:
+        self.trace = [("", 0, 0, float("nan"))] * self.requests
+
+    def result(self, policy: str, seed: int, routers: int, restarts: int) -> RealResult:
+        ttft = self.ttft
+        q = statistics.quantiles(ttft, n=100, method="inclusive") if len(ttft) > 1 else [0.0] * 99
+        served = Counter(w for w, *_ in self.trace if w)
+        return RealResult(
+            policy=policy,
+            seed=seed,
+            routers=routers,
+            restarts=restarts,
+            requests=self.requests,
+            completed=len(ttft),
+            errors=self.errors,
+            prompt_tokens=self.prompt_tokens,
+            cached_prompt_tokens=self.cached,
+            engine_hit_rate=self.cached / self.prompt_tokens if self.prompt_tokens else 0.0,
+            ttft_p50_ms=q[49],
+            ttft_p99_ms=q[98],
+            output_tok_s=self.tokens / self.sending_s if self.sending_s else 0.0,
+            request_share={
+                w: round(n / max(1, sum(served.values())), 3) for w, n in sorted(served.items())
+            },
+            trace=self.trace,
+        )
+
+
+async def send(
     address: str,
     workload: Workload,
     prompts: list[list[int]],
-    policy: str,
-    routers: int,
-    lanes_seed: int,
-) -> RealResult:
+    indices: range,
+    lanes: Sequence[int],
+    into: Tally,
+) -> None:
+    """Requests `indices` through the control plane at `address`, at their arrival times
+    (counted from the first one's), each on connection `lanes[k]` of CHANNELS."""
     from switchyard.v1 import generation_pb2 as pb
     from switchyard.v1 import generation_pb2_grpc
 
-    ttft: list[float] = []
-    trace: list[tuple[str, int, int, float]] = [("", 0, 0, float("nan"))] * workload.requests
-    prompt_tokens = cached = tokens = errors = 0
-    # Each request on one of CHANNELS connections, drawn at random: callers are many
-    # services, and with `--routers N` the kernel spreads connections across the routers.
-    draw = random.Random(lanes_seed)
-    lanes = [draw.randrange(CHANNELS) for _ in range(workload.requests)]
+    t0 = workload.arrival_us[indices[0]] / 1e6 if indices else 0.0
     started = time.perf_counter()
 
     async with contextlib.AsyncExitStack() as stack:
@@ -128,8 +171,7 @@ async def run_policy(
             stubs.append(generation_pb2_grpc.GenerationStub(channel))
 
         async def one(k: int) -> None:
-            nonlocal prompt_tokens, cached, tokens, errors
-            due = workload.arrival_us[k] / 1e6 - (time.perf_counter() - started)
+            due = workload.arrival_us[k] / 1e6 - t0 - (time.perf_counter() - started)
             await asyncio.sleep(max(0.0, due))
             req = pb.GenerateRequest(
                 model="tiny",
@@ -143,47 +185,27 @@ async def run_policy(
                     if first is None:
                         first = time.perf_counter() - sent
                     if msg.HasField("chunk"):
-                        tokens += len(msg.chunk.token_ids)
+                        into.tokens += len(msg.chunk.token_ids)
                     if msg.HasField("final"):
                         usage = msg.final.usage
-                        prompt_tokens += usage.prompt_tokens
-                        cached += usage.cached_prompt_tokens
+                        into.prompt_tokens += usage.prompt_tokens
+                        into.cached += usage.cached_prompt_tokens
                         ms = (first or 0.0) * 1000
-                        trace[k] = (
+                        into.trace[k] = (
                             msg.final.worker,
                             usage.prompt_tokens,
                             usage.cached_prompt_tokens,
                             ms,
                         )
             except grpc.aio.AioRpcError as e:
-                errors += 1
-                log.warning("request failed", policy=policy, request=k, code=e.code().name)
+                into.errors += 1
+                log.warning("request failed", request=k, code=e.code().name)
                 return
             if first is not None:
-                ttft.append(first * 1000)
+                into.ttft.append(first * 1000)
 
-        await asyncio.gather(*(one(k) for k in range(workload.requests)))
-    wall = time.perf_counter() - started
-    q = statistics.quantiles(ttft, n=100, method="inclusive") if len(ttft) > 1 else [0.0] * 99
-    served = Counter(w for w, *_ in trace if w)
-    return RealResult(
-        policy=policy,
-        seed=workload.spec.seed,
-        routers=routers,
-        requests=workload.requests,
-        completed=len(ttft),
-        errors=errors,
-        prompt_tokens=prompt_tokens,
-        cached_prompt_tokens=cached,
-        engine_hit_rate=cached / prompt_tokens if prompt_tokens else 0.0,
-        ttft_p50_ms=q[49],
-        ttft_p99_ms=q[98],
-        output_tok_s=tokens / wall,
-        request_share={
-            w: round(n / max(1, sum(served.values())), 3) for w, n in sorted(served.items())
-        },
-        trace=trace,
-    )
+        await asyncio.gather(*(one(k) for k in indices))
+    into.sending_s += time.perf_counter() - started
 
 
 async def fill_caches(addresses: Sequence[str], blocks: int, seed: int) -> None:
@@ -231,6 +253,38 @@ def markdown(results: Sequence[RealResult]) -> str:
     return "\n".join(lines)
 
 
+def run_one(
+    model_yaml: str,
+    addresses: Sequence[str],
+    logs: Path,
+    workload: Workload,
+    label: str,
+    routers: int,
+    restarts: int,
+    run: int,
+    args: argparse.Namespace,
+) -> RealResult:
+    """One policy's run: its own token permutation, every cache filled first, then the
+    traffic through a fresh control plane, replaced `restarts` times on the way (the
+    workers, and what their caches hold, stay)."""
+    seed = workload.spec.seed * 1000 + run
+    prompts = permuted(workload, seed)
+    asyncio.run(fill_caches(addresses, args.cache_blocks, seed))
+    # Each request on one of CHANNELS connections, drawn at random: callers are many
+    # services, and with `--routers N` the kernel spreads connections across the routers.
+    draw = random.Random(seed)
+    lanes = [draw.randrange(CHANNELS) for _ in range(workload.requests)]
+    tally = Tally(workload.requests)
+    n = workload.requests
+    bounds = [n * j // (restarts + 1) for j in range(restarts + 2)]
+    for j in range(restarts + 1):
+        name = f"control-{run}-{label}-{j}"
+        with systems.control_plane(model_yaml, logs, name=name, routers=routers) as (address, _):
+            part = range(bounds[j], bounds[j + 1])
+            asyncio.run(send(address, workload, prompts, part, lanes, tally))
+    return tally.result(label, workload.spec.seed, routers, restarts)
+
+
 def variant(text: str) -> tuple[str, dict[str, float]]:
     """`LABEL=JSON`: a kv_aware run with those weights."""
     label, sep, weights = text.partition("=")
@@ -258,6 +312,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="+",
         default=[1],
         help="control-plane processes (serve --routers), in turn",
+    )
+    ap.add_argument(
+        "--restarts",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="times the control plane is replaced by a fresh one during a run (the traffic "
+        "split evenly), in turn",
     )
     ap.add_argument(
         "--cache-blocks", type=int, default=CACHE_BLOCKS, help="KV blocks of 128 tokens a worker"
@@ -298,32 +360,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = [(p, p, args.kv_aware) for p in args.policies] + [
             (label, "kv_aware", weights) for label, weights in args.variant
         ]
-        i = 0  # every run's own token permutation and filler
+        run = 0  # every run's own token permutation and filler
         for spec in specs:
             workload = make_workload(spec, VOCAB)
             ceilings[spec.seed] = reuse_ceiling(workload, BLOCK_TOKENS)
-            for routers in args.routers:
-                for label, policy, weights in runs:
-                    i += 1
-                    prompts = permuted(workload, spec.seed * 1000 + i)
-                    asyncio.run(fill_caches(addresses, args.cache_blocks, spec.seed * 1000 + i))
-                    yaml = model_yaml(model, addresses, policy, weights)
-                    name = f"control-{i}-{policy}"
-                    with systems.control_plane(yaml, logs, name=name, routers=routers) as (
-                        address,
-                        _,
-                    ):
-                        log.info("running", policy=label, seed=spec.seed, routers=routers)
-                        r = asyncio.run(run_policy(address, workload, prompts, label, routers, i))
-                    results.append(r)
-                    shares = " ".join(f"{s:.2f}" for s in r.request_share.values())
-                    print(
-                        f"routers {routers} seed {spec.seed} {label:16s} "
-                        f"hit {r.engine_hit_rate:6.1%}  TTFT p50 {r.ttft_p50_ms:7.0f} ms  "
-                        f"p99 {r.ttft_p99_ms:7.0f} ms  {r.output_tok_s:6.1f} tok/s  "
-                        f"{r.completed}/{r.requests}  requests by worker {shares}",
-                        flush=True,
-                    )
+            for routers, restarts, (label, policy, weights) in itertools.product(
+                args.routers, args.restarts, runs
+            ):
+                run += 1
+                yaml = model_yaml(model, addresses, policy, weights)
+                log.info(
+                    "running", policy=label, seed=spec.seed, routers=routers, restarts=restarts
+                )
+                r = run_one(yaml, addresses, logs, workload, label, routers, restarts, run, args)
+                results.append(r)
+                shares = " ".join(f"{s:.2f}" for s in r.request_share.values())
+                print(
+                    f"routers {routers} restarts {restarts} seed {spec.seed} {label:16s} "
+                    f"hit {r.engine_hit_rate:6.1%}  TTFT p50 {r.ttft_p50_ms:7.0f} ms  "
+                    f"p99 {r.ttft_p99_ms:7.0f} ms  {r.output_tok_s:6.1f} tok/s  "
+                    f"{r.completed}/{r.requests}  requests by worker {shares}",
+                    flush=True,
+                )
     print(markdown(results))
     for seed, (cached, total) in ceilings.items():
         print(f"seed {seed}: reuse ceiling (one cache that never evicts) {cached / total:.1%}")
