@@ -25,6 +25,7 @@ from control.fleet.supervisor import (
     worker_command,
 )
 from control.text.tokenizer import Tokenizer
+from control.workers import health
 from control.workers.client import HealthPolicy, WorkerClient, WorkerInfo
 from switchyard_common.tinymodel import ensure_tiny_model
 from switchyard_common.tls import channel_credentials
@@ -33,6 +34,9 @@ log = structlog.get_logger(__name__)
 
 WORKER_READY_TIMEOUT_S = 600.0
 REMOTE_READY_TIMEOUT_S = 120.0
+# How long a model that routes from KV-cache events waits, as it loads, for its workers'
+# first batches (what their engines hold) before it routes without them.
+KV_SYNC_TIMEOUT_S = 2.0
 
 
 class StartupError(RuntimeError):
@@ -185,6 +189,7 @@ class ModelLoader:
             self.loading.discard(spec.name)
         entry = ModelEntry(spec=spec, tokenizer=tokenizer, info=info, workers=clients)
         entry.local = local
+        await self._sync_kv(entry, clients)
         self.registry.add(entry)
         if spec.dns:
             self._discovery[spec.name] = asyncio.create_task(
@@ -198,6 +203,29 @@ class ModelLoader:
             seconds=round(time.monotonic() - started, 2),
         )
         return entry
+
+    @staticmethod
+    async def _sync_kv(entry: ModelEntry, clients: list[WorkerClient]) -> None:
+        """Until the model's index has what each worker's engine holds (bounded), where
+        its routing follows KV-cache events."""
+        if entry.kv_index is None:
+            return
+        started = time.monotonic()
+        missing = await health.wait_kv_synced(clients, KV_SYNC_TIMEOUT_S)
+        if missing:
+            log.warning(
+                "routing starts before these workers' KV-cache events arrived",
+                model=entry.name,
+                workers=missing,
+                waited_s=KV_SYNC_TIMEOUT_S,
+            )
+        else:
+            log.info(
+                "kv index synced",
+                model=entry.name,
+                workers=len(clients),
+                seconds=round(time.monotonic() - started, 3),
+            )
 
     @staticmethod
     def _agree(spec: ModelSpec, infos: list[WorkerInfo]) -> WorkerInfo:
@@ -312,6 +340,7 @@ class ModelLoader:
                 await client.close()  # the model went away meanwhile
                 return
             client.kv_sink = entry.kv_index
+            await self._sync_kv(entry, [client])
             entry.workers.append(client)
             log.info("worker joined", model=entry.name, worker=address)
         except Exception as e:

@@ -180,7 +180,11 @@ class WorkerClient:
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.info: WorkerInfo | None = None
-        self.kv_sink: KvSink | None = None  # set by its model where routing reads KV events
+        self._kv_sink: KvSink | None = None
+        self.kv_sink_set = asyncio.Event()  # its model has given it a sink
+        # The current KV-events subscription's first batch (with what the engine holds) is
+        # in the sink; cleared when the stream ends.
+        self.kv_synced = asyncio.Event()
         self.serving = False
         self.draining = False
         self.leaving = False  # gone from DNS; removed once drained
@@ -196,6 +200,20 @@ class WorkerClient:
         self._attempts = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
         self._stream: StreamSession | None = None
+
+    @property
+    def kv_sink(self) -> KvSink | None:
+        """Where its KV-cache events go: its model's index, set by the model where routing
+        reads the events (None: nowhere, and they are not followed)."""
+        return self._kv_sink
+
+    @kv_sink.setter
+    def kv_sink(self, sink: KvSink | None) -> None:
+        self._kv_sink = sink
+        if sink is None:
+            self.kv_sink_set.clear()
+        else:
+            self.kv_sink_set.set()
 
     def generate(
         self,

@@ -8,8 +8,10 @@ Each runs as a task of its `WorkerClient` (`start_watching`) until the client cl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -115,8 +117,12 @@ async def watch_kv_events(worker: WorkerClient) -> None:
     removal of."""
     while True:
         sink = worker.kv_sink
-        if sink is None or worker.info is None or not worker.info.kv_events:
+        if worker.info is None or not worker.info.kv_events:
             await asyncio.sleep(KV_RESUBSCRIBE_S)
+            continue
+        if sink is None:  # its model gives it one as it loads: subscribe then, at once
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(worker.kv_sink_set.wait(), KV_RESUBSCRIBE_S)
             continue
         address = worker.address
         try:
@@ -137,13 +143,29 @@ async def watch_kv_events(worker: WorkerClient) -> None:
                         sink.removed(address, event.removed.block_hashes)
                     elif kind == "cleared":
                         sink.cleared(address)
+                worker.kv_synced.set()
         except grpc.aio.AioRpcError as e:
             log.info("kv events stream ended", worker=address, code=e.code().name)
         except Exception:  # a fault of ours or a closed channel: this task goes on
             log.warning("kv events stream failed", worker=address, exc_info=True)
         finally:
+            worker.kv_synced.clear()
             sink.cleared(address)  # also when cancelled: nothing stale stays behind
         await asyncio.sleep(KV_RESUBSCRIBE_S)
+
+
+async def wait_kv_synced(workers: Sequence[WorkerClient], timeout_s: float) -> list[str]:
+    """Waits, at most `timeout_s`, until the KV-cache events of every worker that reports
+    them have reached its sink: its subscription's first batch, which says what the engine
+    holds (the rest of a cache over 1,024 blocks follows). So a model that has just loaded,
+    in a control plane that restarted, does not route its first requests blind. Returns
+    the addresses still waiting."""
+    waiting = [w for w in workers if w.kv_sink is not None and w.info and w.info.kv_events]
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(
+            asyncio.gather(*(w.kv_synced.wait() for w in waiting)), max(timeout_s, 0.0)
+        )
+    return [w.address for w in waiting if not w.kv_synced.is_set()]
 
 
 async def watch_load(worker: WorkerClient) -> None:

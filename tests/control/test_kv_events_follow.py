@@ -101,3 +101,43 @@ async def test_the_index_follows_a_workers_events_and_forgets_it_on_a_break() ->
         assert len(index) == 0  # closing forgets it
         await client.channel.close()
         await server.stop(None)
+
+
+async def test_a_model_that_loads_has_its_workers_cache_before_it_routes(
+    monkeypatch: Any,
+) -> None:
+    # A control plane that restarts finds the engines' caches full: the watcher subscribes
+    # as soon as its model gives it a sink (not at its next retry, here 60 s away), and the
+    # model waits for the first batch, which says what the engine holds.
+    monkeypatch.setattr(health, "KV_RESUBSCRIBE_S", 60.0)
+    held = [
+        worker_pb2.KvEventBatch(
+            sequence=7, reset=True, events=[stored([11, 12, 13], None, TOKENS)]
+        ),
+    ]
+    scripted = EventsWorker([held])
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(scripted, server)
+    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
+    await server.start()
+    client = WorkerClient(f"127.0.0.1:{port}")
+    index = KvIndex()
+    address = client.address
+    watcher: asyncio.Task[None] | None = None
+    try:
+        await client.fetch_info()
+        watcher = asyncio.create_task(health.watch_kv_events(client))  # before the sink
+        assert await health.wait_kv_synced([client], 0.0) == []  # no sink: nothing to wait
+        client.kv_sink = index
+        assert await health.wait_kv_synced([client], 30.0) == []
+        assert index.overlap(prompt_keys(TOKENS, BLOCK), [address]) == {address: 3}
+        # The stream breaks: not synced until the next subscription's first batch.
+        scripted.release.set()
+        await until(lambda: not client.kv_synced.is_set(), "stream ended")
+        assert await health.wait_kv_synced([client], 0.05) == [address]
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        await client.channel.close()
+        await server.stop(None)
