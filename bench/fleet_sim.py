@@ -143,8 +143,10 @@ def simulate(
 
     With `routers` > 1 there are that many router processes (`serve --routers N`), each
     with its own instance of the policy, and each request reaches one drawn at random, as
-    the kernel spreads callers' connections: a policy knows only what its own router
-    routed, and what the engines' events tell every router."""
+    the kernel spreads callers' connections: a policy's own memory (a learned tree, its
+    eviction pressure) holds only what its router routed, while the engines' events reach
+    every router. A simplification: every router sees the whole fleet's in-flight
+    requests and queued prefill, where a real router counts only its own."""
     params = params or SimParams()
     if routers < 1:
         raise ValueError("routers must be at least 1")
@@ -414,7 +416,9 @@ def routers_line(routers: int) -> str:
     return (
         f"{routers} (`serve --routers {routers}`), each with its own instance of the policy; "
         "each request reaches one drawn at random, so a policy's own memory holds what its "
-        "router routed, while the engines' events reach every router."
+        "router routed, while the engines' events reach every router. Every router sees "
+        "the whole fleet's in-flight requests and queued prefill (a real one counts its "
+        "own)."
     )
 
 

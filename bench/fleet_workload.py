@@ -201,8 +201,8 @@ def describe(spec: WorkloadSpec | TenantSpec) -> str:
 def reuse_ceiling(workload: Workload, block_size: int) -> tuple[int, int]:
     """(cached, prompt) tokens if every request found cached every full block that an
     earlier request's prompt computed: one cache that never evicts. No routing over caches
-    of any size does better. As engines count it, the last prompt token is always
-    computed."""
+    of any size does better. The last prompt token is always computed (the simulator's
+    count; vLLM's, in whole blocks, can be a block less)."""
     seen: set[int] = set()
     cached = total = 0
     for k in range(workload.requests):

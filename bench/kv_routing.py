@@ -13,7 +13,9 @@ its shape (what it shares with which other prompt), but no block is the same as 
 another run. Before each run every worker's cache is filled with prompts of its own,
 called on the worker directly, so that every run starts from the same state: caches full
 of blocks nothing will reuse. With `--restarts N` the control plane is replaced by a fresh
-one N times during the run, as a deploy does; the workers keep what they cache.
+one N times during the run: the traffic is split into N + 1 parts, and each part's
+requests all finish before its control plane is replaced (no request is in flight across
+a restart). The workers keep what they cache.
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ class RealResult:
     ttft_p99_ms: float
     output_tok_s: float
     request_share: dict[str, float]  # each worker's share of the requests it served
-    # Per request, by index: (worker, prompt tokens, cached prompt tokens, TTFT ms)
-    trace: list[tuple[str, int, int, float]]
+    # Per request, by index: (worker, prompt tokens, cached prompt tokens, TTFT ms or None)
+    trace: list[tuple[str, int, int, float | None]]
 
 
 def permuted(workload: Workload, seed: int) -> list[list[int]]:
@@ -112,7 +114,9 @@ class Tally:
 
     requests: int
     ttft: list[float] = field(default_factory=list)
-    trace: list[tuple[str, int, int, float]] = field(default_factory=list)
+    # Per request, by index: (worker, prompt tokens, cached prompt tokens, TTFT ms); TTFT
+    # None for a request that never finished
+    trace: list[tuple[str, int, int, float | None]] = field(init=False)
     prompt_tokens: int = 0
     cached: int = 0
     tokens: int = 0
@@ -120,7 +124,7 @@ class Tally:
     sending_s: float = 0.0  # wall time spent sending, restarts excluded
 
     def __post_init__(self) -> None:
-        self.trace = [("", 0, 0, float("nan"))] * self.requests
+        self.trace = [("", 0, 0, None)] * self.requests
 
     def result(self, policy: str, seed: int, routers: int, restarts: int) -> RealResult:
         ttft = self.ttft

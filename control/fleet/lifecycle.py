@@ -176,6 +176,10 @@ class ModelLoader:
                     f"model {spec.name}: the tokenizer has {tokenizer.vocab_size} tokens but "
                     f"the model only {info.vocab_size}"
                 )
+            entry = ModelEntry(spec=spec, tokenizer=tokenizer, info=info, workers=clients)
+            entry.local = local
+            # Still loading (and cleaned up if cancelled) while its index fills.
+            await self._sync_kv(entry, clients)
         except BaseException as e:
             await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
             await asyncio.gather(*(w.stop() for w in local), return_exceptions=True)
@@ -187,9 +191,6 @@ class ModelLoader:
             raise
         finally:
             self.loading.discard(spec.name)
-        entry = ModelEntry(spec=spec, tokenizer=tokenizer, info=info, workers=clients)
-        entry.local = local
-        await self._sync_kv(entry, clients)
         self.registry.add(entry)
         if spec.dns:
             self._discovery[spec.name] = asyncio.create_task(
@@ -208,7 +209,7 @@ class ModelLoader:
     async def _sync_kv(entry: ModelEntry, clients: list[WorkerClient]) -> None:
         """Until the model's index has what each worker's engine holds (bounded), where
         its routing follows KV-cache events."""
-        if entry.kv_index is None:
+        if entry.kv_index is None or not any(c.info and c.info.kv_events for c in clients):
             return
         started = time.monotonic()
         missing = await health.wait_kv_synced(clients, KV_SYNC_TIMEOUT_S)
@@ -334,20 +335,26 @@ class ModelLoader:
     async def _join(self, entry: ModelEntry, address: str) -> None:
         self._joining.add(address)
         client = worker_client(address, entry.spec)
+        joined = False
+
+        def still_wanted() -> bool:
+            return self.registry.find(entry.name) is entry and entry.accepting
+
         try:
             await client.wait_ready(max(10.0, entry.spec.dns_interval_s * 3))
-            if self.registry.find(entry.name) is not entry or not entry.accepting:
-                await client.close()  # the model went away meanwhile
-                return
-            client.kv_sink = entry.kv_index
-            await self._sync_kv(entry, [client])
-            entry.workers.append(client)
-            log.info("worker joined", model=entry.name, worker=address)
+            if still_wanted():
+                client.kv_sink = entry.kv_index
+                await self._sync_kv(entry, [client])
+            if still_wanted():  # the model may have gone away meanwhile
+                entry.workers.append(client)
+                joined = True
+                log.info("worker joined", model=entry.name, worker=address)
         except Exception as e:
             log.warning("discovered worker never served", worker=address, error=str(e))
-            await client.close()
         finally:
             self._joining.discard(address)
+            if not joined:  # also when cancelled
+                await client.close()
 
     async def _leave(self, entry: ModelEntry, worker: WorkerClient) -> None:
         worker.leaving = True

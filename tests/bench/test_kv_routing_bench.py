@@ -35,4 +35,4 @@ def test_a_tally_reports_the_engines_hit_rate_and_each_workers_share() -> None:
     assert r.completed == 3 and r.requests == 4
     assert r.output_tok_s == 10.0
     assert r.request_share == {"w1": 0.667, "w2": 0.333}
-    assert r.trace[2][:3] == ("", 0, 0)  # nothing recorded for it
+    assert r.trace[2] == ("", 0, 0, None)  # nothing recorded for it

@@ -11,8 +11,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
+from control.config import ModelSpec
+from control.fleet.lifecycle import ModelLoader
+from control.fleet.models import ModelRegistry
 from control.fleet.supervisor import free_port
 from control.routing.kv_index import KvIndex, prompt_keys
 from control.workers import health
@@ -127,9 +132,17 @@ async def test_a_model_that_loads_has_its_workers_cache_before_it_routes(
     try:
         await client.fetch_info()
         watcher = asyncio.create_task(health.watch_kv_events(client))  # before the sink
+        for _ in range(20):  # it runs until it waits for a sink
+            await asyncio.sleep(0)
+        assert scripted.subscriptions == 0
         assert await health.wait_kv_synced([client], 0.0) == []  # no sink: nothing to wait
+        unknown = WorkerClient("127.0.0.1:1")  # no GetInfo yet: not waited for either
+        unknown.kv_sink = index
+        assert await health.wait_kv_synced([unknown], 0.0) == []
+        await unknown.channel.close()
         client.kv_sink = index
-        assert await health.wait_kv_synced([client], 30.0) == []
+        assert await health.wait_kv_synced([client], 10.0) == []
+        assert scripted.subscriptions == 1
         assert index.overlap(prompt_keys(TOKENS, BLOCK), [address]) == {address: 3}
         # The stream breaks: not synced until the next subscription's first batch.
         scripted.release.set()
@@ -140,4 +153,44 @@ async def test_a_model_that_loads_has_its_workers_cache_before_it_routes(
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
         await client.channel.close()
+        await server.stop(None)
+
+
+class ServingEventsWorker(EventsWorker):
+    async def GetInfo(self, request: Any, context: Any) -> Any:
+        return worker_pb2.GetInfoResponse(
+            engine="scripted",
+            kv_block_size=BLOCK,
+            kv_events=True,
+            max_context=4096,
+            vocab_size=1 << 20,
+        )
+
+
+async def test_a_loaded_model_routes_from_what_the_engine_held_before_it_loaded() -> None:
+    held = [
+        worker_pb2.KvEventBatch(
+            sequence=3, reset=True, events=[stored([11, 12, 13], None, TOKENS)]
+        ),
+    ]
+    scripted = ServingEventsWorker([held])
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(scripted, server)
+    serving = health_aio.HealthServicer()
+    await serving.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(serving, server)
+    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
+    await server.start()
+    address = f"127.0.0.1:{port}"
+    loader = ModelLoader(ModelRegistry(), "127.0.0.1")
+    try:
+        spec = ModelSpec(name="m", engine="vllm", model="builtin:tiny", workers=[address])
+        entry = await loader.load(spec)
+        assert entry.policy.name == "kv_aware"  # the default where workers report events
+        # No waiting here: load returned once the worker's first batch was in the index.
+        assert entry.kv_index is not None
+        assert entry.kv_index.overlap(prompt_keys(TOKENS, BLOCK), [address]) == {address: 3}
+    finally:
+        await loader.stop_all()
+        await serving.enter_graceful_shutdown()
         await server.stop(None)
