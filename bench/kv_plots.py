@@ -32,11 +32,18 @@ def _by_policy(files: Sequence[Path], fields: Sequence[str]) -> dict[str, dict[s
     return out
 
 
+def _spread(groups: Sequence[Sequence[float]]) -> tuple[list[float], list[float], list[float]]:
+    """Each group's mean, and how far below and above it its lowest and highest value lie
+    (a bar and its whiskers); 0 for an empty group."""
+    means = [statistics.mean(g) if g else 0.0 for g in groups]
+    low = [m - min(g, default=m) for m, g in zip(means, groups, strict=True)]
+    high = [max(g, default=m) - m for m, g in zip(means, groups, strict=True)]
+    return means, low, high
+
+
 def _bars(ax: Any, data: dict[str, dict[str, list[float]]], field: str, scale: float = 1.0) -> None:
     names = list(data)
-    means = [statistics.mean(data[n][field]) * scale for n in names]
-    low = [m - min(data[n][field]) * scale for m, n in zip(means, names, strict=True)]
-    high = [max(data[n][field]) * scale - m for m, n in zip(means, names, strict=True)]
+    means, low, high = _spread([[v * scale for v in data[n][field]] for n in names])
     colors = ["tab:red" if n == "kv_aware" else "tab:grey" for n in names]
     ax.bar(names, means, color=colors, yerr=[low, high], capsize=3)
     ax.tick_params(axis="x", labelrotation=35, labelsize=8)
@@ -131,9 +138,7 @@ def plot_real(file: Path, out: Path, name: str = "real.png") -> Path:
                 ]
                 for p in names
             ]
-            means = [statistics.mean(v) if v else 0.0 for v in values]
-            low = [m - min(v, default=m) for m, v in zip(means, values, strict=True)]
-            high = [max(v, default=m) - m for m, v in zip(means, values, strict=True)]
+            means, low, high = _spread(values)
             edges = ["tab:red" if p == "kv_aware" else "black" for p in names]
             ax.bar(xs, means, width, yerr=[low, high], capsize=2, label=label, edgecolor=edges)
     ceilings = run.get("reuse_ceiling", {}).values()

@@ -266,14 +266,14 @@ def run_one(
     routers: int,
     restarts: int,
     run: int,
-    args: argparse.Namespace,
+    cache_blocks: int,
 ) -> RealResult:
     """One policy's run: its own token permutation, every cache filled first, then the
     traffic through a fresh control plane, replaced `restarts` times on the way (the
     workers, and what their caches hold, stay)."""
     seed = workload.spec.seed * 1000 + run
     prompts = permuted(workload, seed)
-    asyncio.run(fill_caches(addresses, args.cache_blocks, seed))
+    asyncio.run(fill_caches(addresses, cache_blocks, seed))
     # Each request on one of CHANNELS connections, drawn at random: callers are many
     # services, and with `--routers N` the kernel spreads connections across the routers.
     draw = random.Random(seed)
@@ -376,7 +376,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log.info(
                     "running", policy=label, seed=spec.seed, routers=routers, restarts=restarts
                 )
-                r = run_one(yaml, addresses, logs, workload, label, routers, restarts, run, args)
+                r = run_one(
+                    yaml,
+                    addresses,
+                    logs,
+                    workload,
+                    label,
+                    routers,
+                    restarts,
+                    run,
+                    args.cache_blocks,
+                )
                 results.append(r)
                 shares = " ".join(f"{s:.2f}" for s in r.request_share.values())
                 print(

@@ -59,6 +59,29 @@ class EventsWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         await context.abort(grpc.StatusCode.UNAVAILABLE, "worker restarting")
 
 
+async def serve(worker: EventsWorker, healthy: bool = False) -> tuple[grpc.aio.Server, str]:
+    """A started gRPC server for the scripted worker (and a SERVING health service), and
+    its address."""
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
+    if healthy:
+        serving = health_aio.HealthServicer()
+        await serving.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(serving, server)
+    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def holding_three_blocks() -> list[Any]:
+    """A subscription's first batch: the engine holds TOKENS' three blocks."""
+    return [
+        worker_pb2.KvEventBatch(
+            sequence=7, reset=True, events=[stored([11, 12, 13], None, TOKENS)]
+        ),
+    ]
+
+
 async def until(check: Callable[[], bool], what: str, within_s: float = 10.0) -> None:
     deadline = time.monotonic() + within_s
     while not check():
@@ -78,11 +101,8 @@ async def test_the_index_follows_a_workers_events_and_forgets_it_on_a_break() ->
         worker_pb2.KvEventBatch(sequence=1, events=[stored([21], None, TOKENS[:4])]),
     ]
     scripted = EventsWorker([first, second])
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(scripted, server)
-    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
-    await server.start()
-    client = WorkerClient(f"127.0.0.1:{port}")
+    server, at = await serve(scripted)
+    client = WorkerClient(at)
     index = KvIndex()
     watcher: asyncio.Task[None] | None = None
     keys = prompt_keys(TOKENS, BLOCK)
@@ -115,17 +135,9 @@ async def test_a_model_that_loads_has_its_workers_cache_before_it_routes(
     # as soon as its model gives it a sink (not at its next retry, here 60 s away), and the
     # model waits for the first batch, which says what the engine holds.
     monkeypatch.setattr(health, "KV_RESUBSCRIBE_S", 60.0)
-    held = [
-        worker_pb2.KvEventBatch(
-            sequence=7, reset=True, events=[stored([11, 12, 13], None, TOKENS)]
-        ),
-    ]
-    scripted = EventsWorker([held])
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(scripted, server)
-    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
-    await server.start()
-    client = WorkerClient(f"127.0.0.1:{port}")
+    scripted = EventsWorker([holding_three_blocks()])
+    server, at = await serve(scripted)
+    client = WorkerClient(at)
     index = KvIndex()
     address = client.address
     watcher: asyncio.Task[None] | None = None
@@ -168,20 +180,8 @@ class ServingEventsWorker(EventsWorker):
 
 
 async def test_a_loaded_model_routes_from_what_the_engine_held_before_it_loaded() -> None:
-    held = [
-        worker_pb2.KvEventBatch(
-            sequence=3, reset=True, events=[stored([11, 12, 13], None, TOKENS)]
-        ),
-    ]
-    scripted = ServingEventsWorker([held])
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(scripted, server)
-    serving = health_aio.HealthServicer()
-    await serving.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(serving, server)
-    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
-    await server.start()
-    address = f"127.0.0.1:{port}"
+    scripted = ServingEventsWorker([holding_three_blocks()])
+    server, address = await serve(scripted, healthy=True)
     loader = ModelLoader(ModelRegistry(), "127.0.0.1")
     try:
         spec = ModelSpec(name="m", engine="vllm", model="builtin:tiny", workers=[address])
@@ -192,5 +192,4 @@ async def test_a_loaded_model_routes_from_what_the_engine_held_before_it_loaded(
         assert entry.kv_index.overlap(prompt_keys(TOKENS, BLOCK), [address]) == {address: 3}
     finally:
         await loader.stop_all()
-        await serving.enter_graceful_shutdown()
         await server.stop(None)
