@@ -8,7 +8,8 @@
 `--sim` takes `bench.fleet_sim --json` files (one per seed: bars are the mean, whiskers
 the range); `--rates` such files at several offered loads (TTFT p99 against the load);
 `--real` and `--restart` `bench.kv_routing --json` files (bars per number of routers and
-of restarts). Needs matplotlib (the bench extra).
+of restarts); `--seeds` such files, one router's runs seed by seed. Needs matplotlib (the
+bench extra).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from bench import kv_summary
 
 
 def _by_policy(files: Sequence[Path], fields: Sequence[str]) -> dict[str, dict[str, list[float]]]:
@@ -156,12 +159,51 @@ def plot_real(file: Path, out: Path, name: str = "real.png") -> Path:
     return _save(fig, title, out / name)
 
 
+def plot_seeds(files: Sequence[Path], out: Path) -> Path:
+    """One router, no restart: each policy's hit rate seed by seed (`kv_summary.load`
+    merges the files), with each seed's reuse ceiling."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs, ceilings = kv_summary.load(files)
+    runs = [r for r in runs if r.setup == (1, 0)]
+    seeds = sorted({r.seed for r in runs})
+    names = list(dict.fromkeys(r.policy for r in runs))
+    rate = {(r.policy, r.seed): 100 * r.hit_rate for r in runs}
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(seeds) + 2), 4.2))
+    width = 0.8 / max(len(names), 1)
+    others = iter(
+        ["tab:brown", "tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:olive"] * 2
+    )
+    for j, p in enumerate(names):
+        xs = [i + (j - (len(names) - 1) / 2) * width for i, s in enumerate(seeds) if (p, s) in rate]
+        ys = [rate[(p, s)] for s in seeds if (p, s) in rate]
+        ax.bar(xs, ys, width, label=p, color="tab:red" if p == "kv_aware" else next(others))
+    marks = [(i, 100 * ceilings[s]) for i, s in enumerate(seeds) if s in ceilings]
+    if marks:
+        ax.scatter(
+            *zip(*marks, strict=True), marker="_", s=400, color="black", label="reuse ceiling"
+        )
+    low = min(rate.values(), default=0.0)
+    ax.set_ylim(max(0.0, low - 5), None)
+    ax.set_xticks(range(len(seeds)), [f"seed {s}" for s in seeds], fontsize=8)
+    ax.set_ylabel("hit rate the engines report, %")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, "One router, seed by seed: real vLLM CPU workers", out / "seeds.png")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser("python -m bench.kv_plots", description=__doc__)
     ap.add_argument("--sim", type=Path, nargs="*", default=[])
     ap.add_argument("--rates", type=Path, nargs="*", default=[])
     ap.add_argument("--real", type=Path)
     ap.add_argument("--restart", type=Path, help="a kv_routing --restarts file")
+    ap.add_argument(
+        "--seeds", type=Path, nargs="*", default=[], help="kv_routing files: one router, by seed"
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -173,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(plot_real(args.real, args.out))
     if args.restart:
         print(plot_real(args.restart, args.out, "restart.png"))
+    if args.seeds:
+        print(plot_seeds(args.seeds, args.out))
     return 0
 
 

@@ -150,6 +150,7 @@ class KvEvents:
                 if parent is not None:
                     stored.parent_block_hash = parent
                 batch.events.append(worker_pb2.KvEvent(stored=stored))
+        batch.snapshot_end = True
         yield batch
 
     def _apply(self, events: list[Any], gap: bool) -> None:

@@ -35,7 +35,7 @@ log = structlog.get_logger(__name__)
 WORKER_READY_TIMEOUT_S = 600.0
 REMOTE_READY_TIMEOUT_S = 120.0
 # How long a model that routes from KV-cache events waits, as it loads, for its workers'
-# first batches (what their engines hold) before it routes without them.
+# snapshots (what their engines hold) before it routes without them.
 KV_SYNC_TIMEOUT_S = 2.0
 
 

@@ -182,8 +182,8 @@ class WorkerClient:
         self.info: WorkerInfo | None = None
         self._kv_sink: KvSink | None = None
         self.kv_sink_set = asyncio.Event()  # its model has given it a sink
-        # The current KV-events subscription's first batch (with what the engine holds) is
-        # in the sink; cleared when the stream ends.
+        # The current KV-events subscription's snapshot (what the engine holds) is in the
+        # sink, to the batch that ends it; cleared when the stream ends.
         self.kv_synced = asyncio.Event()
         self.serving = False
         self.draining = False

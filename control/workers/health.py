@@ -127,7 +127,9 @@ async def watch_kv_events(worker: WorkerClient) -> None:
         address = worker.address
         try:
             call = worker.stub.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest())
+            first: int | None = None  # the sequence the snapshot's batches carry
             async for batch in call:
+                first = batch.sequence if first is None else first
                 if batch.reset:
                     sink.cleared(address)
                 for event in batch.events:
@@ -143,7 +145,10 @@ async def watch_kv_events(worker: WorkerClient) -> None:
                         sink.removed(address, event.removed.block_hashes)
                     elif kind == "cleared":
                         sink.cleared(address)
-                worker.kv_synced.set()
+                # The end of what the engine held, as the worker marks it; a live batch
+                # (a later sequence) also says so, from a worker that does not mark it.
+                if batch.snapshot_end or batch.sequence != first:
+                    worker.kv_synced.set()
         except grpc.aio.AioRpcError as e:
             log.info("kv events stream ended", worker=address, code=e.code().name)
         except Exception:  # a fault of ours or a closed channel: this task goes on
@@ -156,8 +161,8 @@ async def watch_kv_events(worker: WorkerClient) -> None:
 
 async def wait_kv_synced(workers: Sequence[WorkerClient], timeout_s: float) -> list[str]:
     """Waits, at most `timeout_s`, until the KV-cache events of every worker that reports
-    them have reached its sink: its subscription's first batch, which says what the engine
-    holds (the rest of a cache over 1,024 blocks follows). So a model that has just loaded,
+    them have reached its sink: its subscription's snapshot, what the engine holds, to the
+    batch that ends it (a cache over 1,024 blocks takes several). So a model that has just loaded,
     in a control plane that restarted, does not route its first requests blind. Returns
     the addresses still waiting."""
     waiting = [w for w in workers if w.kv_sink is not None and w.info and w.info.kv_events]

@@ -219,6 +219,7 @@ std::vector<wv1::KvEventBatch> KvEventHub::snapshot_locked() const {
     batch.set_sequence(sequence_);
     batch.set_timestamp_s(now);
   }
+  out.back().set_snapshot_end(true);
   return out;
 }
 

@@ -69,6 +69,9 @@ def test_kv_events_name_the_blocks_a_prompt_leaves(stub: Any, engine: str) -> No
             time.sleep(0.01)
         first = sub.seen()[0]
         assert first.reset, "a new subscription starts from a reset"
+        while not any(b.snapshot_end for b in sub.seen()):
+            assert time.monotonic() < deadline, "the snapshot never ended"
+            time.sleep(0.01)
         req = worker_pb2.GenerateRequest(
             request_id="kv-events", prompt_token_ids=prompt, max_tokens=2, ignore_eos=True,
             sampling=common_pb2.SamplingParams(temperature=0.0),
@@ -88,6 +91,10 @@ def test_kv_events_name_the_blocks_a_prompt_leaves(stub: Any, engine: str) -> No
         assert sequences == sorted(sequences)
         news = [b.sequence for b in sub.seen() if b.sequence > first.sequence]
         assert len(set(news)) == len(news)
+        # One batch ends the snapshot, before any live one.
+        ends = [i for i, b in enumerate(sub.seen()) if b.snapshot_end]
+        assert len(ends) == 1
+        assert all(b.sequence == first.sequence for b in sub.seen()[: ends[0] + 1])
     finally:
         sub.close()
 
@@ -138,12 +145,18 @@ def test_a_late_subscriber_learns_what_the_engine_holds_already(stub: Any) -> No
         deadline = time.monotonic() + 30
         while True:
             seen = late.seen()
-            # The snapshot: the batches that carry the first batch's sequence.
-            snapshot = [b for b in seen if seen and b.sequence == seen[0].sequence]
-            if build_index(snapshot).overlap(keys, ["w"])["w"] >= 3:
+            # The snapshot: the batches up to the one that says it ends there.
+            ends = [i for i, b in enumerate(seen) if b.snapshot_end]
+            if ends:
                 break
-            assert time.monotonic() < deadline, f"the late subscriber never learned: {seen}"
+            assert time.monotonic() < deadline, (
+                f"the late subscriber's snapshot never ended: {seen}"
+            )
             time.sleep(0.05)
+        snapshot = seen[: ends[0] + 1]
+        assert build_index(snapshot).overlap(keys, ["w"])["w"] >= 3
         assert seen[0].reset and not any(b.reset for b in snapshot[1:])
+        # They all carry the sequence of the last batch before the subscription.
+        assert {b.sequence for b in snapshot} == {seen[0].sequence}
     finally:
         late.close()

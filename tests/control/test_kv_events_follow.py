@@ -6,6 +6,7 @@ says again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -39,7 +40,8 @@ def stored(hashes: list[int], parent: int | None, tokens: list[int]) -> Any:
 
 
 class EventsWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
-    """Each subscription gets the next script; a script ends its stream with an error."""
+    """Each subscription gets the next script; a script ends its stream with an error. An
+    `asyncio.Event` in a script holds the stream there until it is set."""
 
     def __init__(self, scripts: list[list[Any]]) -> None:
         self.scripts = scripts
@@ -53,6 +55,9 @@ class EventsWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         script = self.scripts[min(self.subscriptions, len(self.scripts) - 1)]
         self.subscriptions += 1
         for batch in script:
+            if isinstance(batch, asyncio.Event):
+                await batch.wait()
+                continue
             yield batch
         await self.release.wait()
         self.release.clear()
@@ -74,10 +79,10 @@ async def serve(worker: EventsWorker, healthy: bool = False) -> tuple[grpc.aio.S
 
 
 def holding_three_blocks() -> list[Any]:
-    """A subscription's first batch: the engine holds TOKENS' three blocks."""
+    """A subscription's snapshot, in one batch: the engine holds TOKENS' three blocks."""
     return [
         worker_pb2.KvEventBatch(
-            sequence=7, reset=True, events=[stored([11, 12, 13], None, TOKENS)]
+            sequence=7, reset=True, events=[stored([11, 12, 13], None, TOKENS)], snapshot_end=True
         ),
     ]
 
@@ -87,6 +92,31 @@ async def until(check: Callable[[], bool], what: str, within_s: float = 10.0) ->
     while not check():
         assert time.monotonic() < deadline, what
         await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def watched(
+    scripted: EventsWorker, sink: bool = True
+) -> AsyncIterator[tuple[WorkerClient, KvIndex]]:
+    """A client of the scripted worker, with its GetInfo, an index (given as its sink
+    unless `sink` is False) and the watcher running; all stopped on the way out."""
+    server, at = await serve(scripted)
+    client = WorkerClient(at)
+    index = KvIndex()
+    watcher: asyncio.Task[None] | None = None
+    try:
+        await client.fetch_info()
+        assert client.info is not None and client.info.kv_events
+        if sink:
+            client.kv_sink = index
+        watcher = asyncio.create_task(health.watch_kv_events(client))
+        yield client, index
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        await client.channel.close()
+        await server.stop(None)
 
 
 async def test_the_index_follows_a_workers_events_and_forgets_it_on_a_break() -> None:
@@ -101,17 +131,9 @@ async def test_the_index_follows_a_workers_events_and_forgets_it_on_a_break() ->
         worker_pb2.KvEventBatch(sequence=1, events=[stored([21], None, TOKENS[:4])]),
     ]
     scripted = EventsWorker([first, second])
-    server, at = await serve(scripted)
-    client = WorkerClient(at)
-    index = KvIndex()
-    watcher: asyncio.Task[None] | None = None
     keys = prompt_keys(TOKENS, BLOCK)
-    address = client.address
-    try:
-        await client.fetch_info()
-        assert client.info is not None and client.info.kv_events
-        client.kv_sink = index
-        watcher = asyncio.create_task(health.watch_kv_events(client))
+    async with watched(scripted) as (client, index):
+        address = client.address
         # Two blocks stored, a third after them, then the third removed: two held.
         await until(lambda: scripted.subscriptions == 1 and len(index) == 2, "first events")
         assert index.overlap(keys, [address]) == {address: 2}
@@ -119,13 +141,7 @@ async def test_the_index_follows_a_workers_events_and_forgets_it_on_a_break() ->
         scripted.release.set()
         await until(lambda: scripted.subscriptions == 2 and len(index) == 1, "resubscribed")
         assert index.overlap(keys, [address]) == {address: 1}
-    finally:
-        if watcher is not None:
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
-        assert len(index) == 0  # closing forgets it
-        await client.channel.close()
-        await server.stop(None)
+    assert len(index) == 0  # the watcher's end forgets it
 
 
 async def test_a_model_that_loads_has_its_workers_cache_before_it_routes(
@@ -133,17 +149,11 @@ async def test_a_model_that_loads_has_its_workers_cache_before_it_routes(
 ) -> None:
     # A control plane that restarts finds the engines' caches full: the watcher subscribes
     # as soon as its model gives it a sink (not at its next retry, here 60 s away), and the
-    # model waits for the first batch, which says what the engine holds.
+    # model waits for the snapshot, which says what the engine holds.
     monkeypatch.setattr(health, "KV_RESUBSCRIBE_S", 60.0)
     scripted = EventsWorker([holding_three_blocks()])
-    server, at = await serve(scripted)
-    client = WorkerClient(at)
-    index = KvIndex()
-    address = client.address
-    watcher: asyncio.Task[None] | None = None
-    try:
-        await client.fetch_info()
-        watcher = asyncio.create_task(health.watch_kv_events(client))  # before the sink
+    async with watched(scripted, sink=False) as (client, index):  # the watcher before the sink
+        address = client.address
         for _ in range(20):  # it runs until it waits for a sink
             await asyncio.sleep(0)
         assert scripted.subscriptions == 0
@@ -156,16 +166,47 @@ async def test_a_model_that_loads_has_its_workers_cache_before_it_routes(
         assert await health.wait_kv_synced([client], 10.0) == []
         assert scripted.subscriptions == 1
         assert index.overlap(prompt_keys(TOKENS, BLOCK), [address]) == {address: 3}
-        # The stream breaks: not synced until the next subscription's first batch.
+        # The stream breaks: not synced until the next subscription's snapshot.
         scripted.release.set()
         await until(lambda: not client.kv_synced.is_set(), "stream ended")
         assert await health.wait_kv_synced([client], 0.05) == [address]
-    finally:
-        if watcher is not None:
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
-        await client.channel.close()
-        await server.stop(None)
+
+
+async def test_a_model_waits_for_the_end_of_the_snapshot_not_its_first_batch() -> None:
+    # A large cache comes in several batches; only the last says the snapshot ends. A
+    # worker that does not say so ends the wait with its first live batch (a later
+    # sequence).
+    rest, live = asyncio.Event(), asyncio.Event()
+    marked = [
+        worker_pb2.KvEventBatch(
+            sequence=7, reset=True, events=[stored([11, 12], None, TOKENS[:8])]
+        ),
+        rest,
+        worker_pb2.KvEventBatch(
+            sequence=7, events=[stored([13], 12, TOKENS[8:])], snapshot_end=True
+        ),
+    ]
+    unmarked = [
+        worker_pb2.KvEventBatch(sequence=7, reset=True, events=[stored([11], None, TOKENS[:4])]),
+        live,
+        worker_pb2.KvEventBatch(sequence=8, events=[stored([12], 11, TOKENS[4:8])]),
+    ]
+    scripted = EventsWorker([marked, unmarked])
+    keys = prompt_keys(TOKENS, BLOCK)
+    async with watched(scripted) as (client, index):
+        address = client.address
+        await until(lambda: len(index) == 2, "the snapshot's first batch")
+        assert await health.wait_kv_synced([client], 0.05) == [address]
+        rest.set()
+        assert await health.wait_kv_synced([client], 10.0) == []
+        assert index.overlap(keys, [address]) == {address: 3}
+        # The next subscription's worker does not mark the end.
+        scripted.release.set()
+        await until(lambda: scripted.subscriptions == 2 and len(index) == 1, "resubscribed")
+        assert await health.wait_kv_synced([client], 0.05) == [address]
+        live.set()
+        assert await health.wait_kv_synced([client], 10.0) == []
+        assert index.overlap(keys, [address]) == {address: 2}
 
 
 class ServingEventsWorker(EventsWorker):
@@ -187,7 +228,7 @@ async def test_a_loaded_model_routes_from_what_the_engine_held_before_it_loaded(
         spec = ModelSpec(name="m", engine="vllm", model="builtin:tiny", workers=[address])
         entry = await loader.load(spec)
         assert entry.policy.name == "kv_aware"  # the default where workers report events
-        # No waiting here: load returned once the worker's first batch was in the index.
+        # No waiting here: load returned once the worker's snapshot was in the index.
         assert entry.kv_index is not None
         assert entry.kv_index.overlap(prompt_keys(TOKENS, BLOCK), [address]) == {address: 3}
     finally:

@@ -62,7 +62,8 @@ def test_removed_and_cleared_blocks_are_not_announced_and_a_gap_forgets_all() ->
     events.handle(frames(1, {"type": "BlockRemoved", "block_hashes": [2]}))
     assert [e.stored.block_hashes[0] for e in next(events.snapshot()).events] == [1]
     events.handle(frames(2, {"type": "AllBlocksCleared"}))
-    assert not next(events.snapshot()).events
+    (empty,) = events.snapshot()  # the reset alone, and the end of the snapshot
+    assert empty.reset and empty.snapshot_end and not empty.events
     events.handle(frames(3, stored([5], None, list(range(4)))))
     events.handle(frames(9, stored([6], None, list(range(4, 8)))))  # 4-8 were lost
     # What the lost events did is unknown: only what came after the gap is claimed.
@@ -87,6 +88,8 @@ def test_a_large_cache_is_told_in_bounded_batches_and_the_stream_follows() -> No
 
     snapshot_1, snapshot_2, after = asyncio.run(first_batches())
     assert snapshot_1.reset and not snapshot_2.reset
+    # The end of what the engine held is marked, and only there.
+    assert [b.snapshot_end for b in (snapshot_1, snapshot_2, after)] == [False, True, False]
     assert len(snapshot_1.events) == SNAPSHOT_BLOCKS_PER_BATCH and len(snapshot_2.events) == 10
     assert snapshot_1.sequence == snapshot_2.sequence < after.sequence
     assert list(after.events[0].removed.block_hashes) == [n]
