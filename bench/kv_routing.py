@@ -97,6 +97,10 @@ class RealResult:
     request_share: dict[str, float]  # each worker's share of the requests it served
     # Per request, by index: (worker, prompt tokens, cached prompt tokens, TTFT ms or None)
     trace: list[tuple[str, int, int, float | None]]
+    # CPU seconds while the traffic ran: the control plane's processes (its routers), and
+    # the workers' (with vLLM's engine processes)
+    control_cpu_s: float = 0.0
+    workers_cpu_s: float = 0.0
 
 
 def permuted(workload: Workload, seed: int) -> list[list[int]]:
@@ -122,6 +126,8 @@ class Tally:
     tokens: int = 0
     errors: int = 0
     sending_s: float = 0.0  # wall time spent sending, restarts excluded
+    control_cpu_s: float = 0.0  # while sending
+    workers_cpu_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.trace = [("", 0, 0, None)] * self.requests
@@ -148,6 +154,8 @@ class Tally:
                 w: round(n / max(1, sum(served.values())), 3) for w, n in sorted(served.items())
             },
             trace=self.trace,
+            control_cpu_s=round(self.control_cpu_s, 2),
+            workers_cpu_s=round(self.workers_cpu_s, 2),
         )
 
 
@@ -245,21 +253,22 @@ def model_yaml(model: Path, workers: Sequence[str], policy: str, kv_aware: dict[
 def markdown(results: Sequence[RealResult]) -> str:
     lines = [
         "| routers | seed | policy | engine-reported hit rate | cached / prompt tokens | "
-        "TTFT p50 ms | TTFT p99 ms | output tok/s | completed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "TTFT p50 ms | TTFT p99 ms | output tok/s | completed | CPU s, control / workers |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.routers} | {r.seed} | {r.policy} | {r.engine_hit_rate:.1%} | "
             f"{r.cached_prompt_tokens:,} / {r.prompt_tokens:,} | {r.ttft_p50_ms:,.0f} | "
-            f"{r.ttft_p99_ms:,.0f} | {r.output_tok_s:,.1f} | {r.completed}/{r.requests} |"
+            f"{r.ttft_p99_ms:,.0f} | {r.output_tok_s:,.1f} | {r.completed}/{r.requests} | "
+            f"{r.control_cpu_s:.1f} / {r.workers_cpu_s:.1f} |"
         )
     return "\n".join(lines)
 
 
 def run_one(
     model_yaml: str,
-    addresses: Sequence[str],
+    workers: Sequence[systems.Running],
     logs: Path,
     workload: Workload,
     label: str,
@@ -273,7 +282,7 @@ def run_one(
     workers, and what their caches hold, stay)."""
     seed = workload.spec.seed * 1000 + run
     prompts = permuted(workload, seed)
-    asyncio.run(fill_caches(addresses, cache_blocks, seed))
+    asyncio.run(fill_caches([w.address for w in workers], cache_blocks, seed))
     # Each request on one of CHANNELS connections, drawn at random: callers are many
     # services, and with `--routers N` the kernel spreads connections across the routers.
     draw = random.Random(seed)
@@ -283,9 +292,17 @@ def run_one(
     bounds = [n * j // (restarts + 1) for j in range(restarts + 2)]
     for j in range(restarts + 1):
         name = f"control-{run}-{label}-{j}"
-        with systems.control_plane(model_yaml, logs, name=name, routers=routers) as (address, _):
+        with systems.control_plane(model_yaml, logs, name=name, routers=routers) as (
+            address,
+            proc,
+        ):
             part = range(bounds[j], bounds[j + 1])
+            control = [proc.popen.pid, *systems.descendants(proc.popen.pid)]
+            engines = [p for w in workers for p in (w.pid, *systems.descendants(w.pid))]
+            before = systems.cpu_seconds(control), systems.cpu_seconds(engines)
             asyncio.run(send(address, workload, prompts, part, lanes, tally))
+            tally.control_cpu_s += systems.cpu_seconds(control) - before[0]
+            tally.workers_cpu_s += systems.cpu_seconds(engines) - before[1]
     return tally.result(label, workload.spec.seed, routers, restarts)
 
 
@@ -356,11 +373,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ceilings: dict[int, tuple[int, int]] = {}
     with tempfile.TemporaryDirectory(prefix="kv-routing-") as tmp, contextlib.ExitStack() as stack:
         logs = Path(tmp)
-        addresses = []
+        workers = []
         for i in range(args.workers):
             log.info("starting vLLM worker", worker=i + 1, of=args.workers)
-            running = stack.enter_context(systems.pyworker(model, logs, engine))
-            addresses.append(running.address)
+            workers.append(stack.enter_context(systems.pyworker(model, logs, engine)))
+        addresses = [w.address for w in workers]
         runs = [(p, p, args.kv_aware) for p in args.policies] + [
             (label, "kv_aware", weights) for label, weights in args.variant
         ]
@@ -378,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 r = run_one(
                     yaml,
-                    addresses,
+                    workers,
                     logs,
                     workload,
                     label,
@@ -393,7 +410,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"routers {routers} restarts {restarts} seed {spec.seed} {label:16s} "
                     f"hit {r.engine_hit_rate:6.1%}  TTFT p50 {r.ttft_p50_ms:7.0f} ms  "
                     f"p99 {r.ttft_p99_ms:7.0f} ms  {r.output_tok_s:6.1f} tok/s  "
-                    f"{r.completed}/{r.requests}  requests by worker {shares}",
+                    f"{r.completed}/{r.requests}  requests by worker {shares}  CPU s: control "
+                    f"{r.control_cpu_s:.1f}, workers {r.workers_cpu_s:.1f}",
                     flush=True,
                 )
     print(markdown(results))

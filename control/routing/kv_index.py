@@ -25,6 +25,7 @@ prompt's leading blocks it holds.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -37,7 +38,7 @@ def block_key(parent: int, tokens: Sequence[int], salt: str = "") -> int:
     h.update(parent.to_bytes(8, "little"))
     if parent == ROOT and salt:
         h.update(salt.encode())
-    h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in tokens))
+    h.update(struct.pack(f"<{len(tokens)}I", *tokens))  # each token id, 4 bytes
     return int.from_bytes(h.digest(), "little") or 1  # never ROOT
 
 

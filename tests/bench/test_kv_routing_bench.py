@@ -29,7 +29,9 @@ def test_a_tally_reports_the_engines_hit_rate_and_each_workers_share() -> None:
     t.trace[3] = ("w1", 512, 384, 30.0)  # request 2 never finished
     t.prompt_tokens, t.cached, t.tokens, t.sending_s = 1024, 512, 30, 3.0
     t.ttft += [10.0, 20.0, 30.0]
+    t.control_cpu_s, t.workers_cpu_s = 1.234, 56.789
     r = t.result("kv_aware", seed=1, routers=4, restarts=1)
+    assert (r.control_cpu_s, r.workers_cpu_s) == (1.23, 56.79)
     assert (r.policy, r.seed, r.routers, r.restarts) == ("kv_aware", 1, 4, 1)
     assert r.engine_hit_rate == 0.5
     assert r.completed == 3 and r.requests == 4
