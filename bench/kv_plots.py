@@ -3,6 +3,7 @@
     python -m bench.kv_plots --sim docs/kv-routing/sim-seed*.json \\
         --rates docs/kv-routing/sim-rate*.json docs/kv-routing/sim-seed0.json \\
         --real docs/kv-routing/real.json --restart docs/kv-routing/real-restart.json \\
+        --seeds docs/kv-routing/real-seeds-2-4.json docs/kv-routing/real-seeds.json \\
         --out docs/kv-routing
 
 `--sim` takes `bench.fleet_sim --json` files (one per seed: bars are the mean, whiskers

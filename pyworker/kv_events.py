@@ -122,7 +122,8 @@ class KvEvents:
 
     def snapshot(self) -> Iterator[Any]:
         """A reset, then every block the engine holds now, each after its parent,
-        `SNAPSHOT_BLOCKS_PER_BATCH` a batch (built as they are taken)."""
+        `SNAPSHOT_BLOCKS_PER_BATCH` a batch (built as they are taken); the last batch has
+        `snapshot_end` set."""
         return self._snapshot(dict(self.held), self._sequence)
 
     @staticmethod

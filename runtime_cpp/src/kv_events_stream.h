@@ -61,7 +61,8 @@ class KvEventHub {
   };
   void pump();
   void apply_locked(const KvCacheEvents& events);
-  // A reset, then every held block, each after its parent, kSnapshotBlocksPerBatch a batch.
+  // A reset, then every held block, each after its parent, kSnapshotBlocksPerBatch a batch;
+  // the last batch is marked snapshot_end.
   std::vector<wv1::KvEventBatch> snapshot_locked() const;
 
   Executor& executor_;
