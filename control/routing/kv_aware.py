@@ -52,6 +52,8 @@ PREFILL_WEIGHT = 1.0
 # requests/s (docs/kv-routing.md).
 EVICTION_WEIGHT = 2.0
 PRESSURE_HALF_LIFE = 16  # requests per candidate
+PRUNE_EVERY = 64  # requests between looks for workers whose pressure is forgotten
+PRESSURE_FORGOTTEN = 0.01  # blocks
 
 
 class KvAware:
@@ -121,4 +123,15 @@ class KvAware:
             pressure[pick] + len(keys) - held[chosen.address],
             self._routed,
         )
+        if self._routed % PRUNE_EVERY == 0 and len(self._pressure) > len(candidates):
+            self._prune(candidates)
         return chosen
+
+    def _prune(self, candidates: Sequence[Candidate]) -> None:
+        """Forget the pressure on workers no longer among the candidates once it has
+        decayed to nothing (a worker that left, or was replaced): a worker away for a
+        while (unhealthy, draining) keeps what it had."""
+        here = {c.address for c in candidates}
+        for address in [a for a in self._pressure if a not in here]:
+            if self.pressure(address, len(candidates)) < PRESSURE_FORGOTTEN:
+                del self._pressure[address]

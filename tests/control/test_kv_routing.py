@@ -173,3 +173,19 @@ def test_kv_aware_puts_new_blocks_where_they_evict_least() -> None:
     policy.index.learn("busy", prompt_keys([7] * 64, 16))
     policy.eviction_weight = 2.0
     assert policy.choose([busy, quiet], RouteRequest([7] * 64 + [1, 2], 8, 16)).address == "busy"
+
+
+def test_kv_aware_forgets_the_pressure_on_a_worker_gone_long_enough() -> None:
+    gone, a, b = W("gone"), W("a"), W("b")
+    policy = KvAware(learn=False)
+    policy.choose([gone], RouteRequest(list(range(64)), 8, 16))  # 4 new blocks there
+    assert "gone" in policy._pressure
+    # While it is away, its pressure decays (halving every 16 requests per candidate)
+    # but is kept: it may come back.
+    for i in range(63):
+        policy.choose([a, b], RouteRequest([1000 + i] * 64, 8, 16))
+    assert "gone" in policy._pressure
+    # Once decayed to nothing, it is forgotten; the workers still routed to are not.
+    for i in range(64 * 8):
+        policy.choose([a, b], RouteRequest([2000 + i] * 64, 8, 16))
+    assert set(policy._pressure) == {"a", "b"}
