@@ -162,9 +162,9 @@ async def watch_kv_events(worker: WorkerClient) -> None:
 async def wait_kv_synced(workers: Sequence[WorkerClient], timeout_s: float) -> list[str]:
     """Waits, at most `timeout_s`, until the KV-cache events of every worker that reports
     them have reached its sink: its subscription's snapshot, what the engine holds, to the
-    batch that ends it (a cache over 1,024 blocks takes several). So a model that has just loaded,
-    in a control plane that restarted, does not route its first requests blind. Returns
-    the addresses still waiting."""
+    batch that ends it (a cache over 1,024 blocks takes several). So a model that has just
+    loaded, in a control plane that restarted, does not route its first requests blind.
+    Returns the addresses still waiting."""
     waiting = [w for w in workers if w.kv_sink is not None and w.info and w.info.kv_events]
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(
