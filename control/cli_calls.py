@@ -78,6 +78,9 @@ def add_commands(sub: Any) -> None:
     ld.add_argument("--engine-args", default="{}", help="a JSON object")
     ld.add_argument("--worker", action="append", default=[], help="a running worker's address")
     ld.add_argument("--routing", default="")
+    ld.add_argument(
+        "--gpus", default="", help="CUDA_VISIBLE_DEVICES of its workers, split over replicas"
+    )
     u = sub.add_parser("unload", parents=[conn], help="drain and stop a model's workers")
     u.add_argument("name")
     u.add_argument("--grace", type=float, default=None, help="seconds to let requests finish")
@@ -205,9 +208,12 @@ def _workers(client: Client, args: argparse.Namespace) -> int:
             print(json.dumps(MessageToDict(w, preserving_proto_field_name=True)))
             continue
         state = "draining" if w.draining else ("serving" if w.serving else "not serving")
+        shape = f"tp {w.tensor_parallel_size or 1} x pp {w.pipeline_parallel_size or 1}"
+        if w.gpus:
+            shape += f" on GPUs {','.join(w.gpus)}"
         print(
             f"{w.model}\t{w.address}\t{w.engine}\t{state}, circuit {w.circuit}\t"
-            f"running {w.running}, waiting {w.waiting}, in flight {w.in_flight}"
+            f"running {w.running}, waiting {w.waiting}, in flight {w.in_flight}\t{shape}"
         )
     return 0
 
@@ -223,6 +229,7 @@ def _load(client: Client, args: argparse.Namespace) -> int:
         replicas=args.replicas,
         workers=args.worker,
         routing=args.routing,
+        gpus=[g.strip() for g in args.gpus.split(",") if g.strip()],
     )
     try:
         spec.engine_args.update(json.loads(args.engine_args))

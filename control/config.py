@@ -25,6 +25,7 @@ models:
     worker_stream: true     # share one GenerateStream per worker (when it offers one)
     worker_tls: {ca: ca.pem, cert: client.pem, key: client.key, server_name: workers}
     chat_template: chat.jinja   # a file or the template itself; default: the tokenizer's
+    gpus: [0, 1]            # CUDA_VISIBLE_DEVICES of the local workers, an equal share each
 ```
 """
 
@@ -155,10 +156,20 @@ class ModelSpec:
     worker_stream: bool = True  # one GenerateStream per worker instead of a call per request
     worker_tls: WorkerTls | None = None  # TLS to the workers; None: plaintext
     chat_template: str | None = None  # Jinja, for `messages` prompts; None: the tokenizer's
+    # CUDA_VISIBLE_DEVICES of the local workers, split evenly over the replicas; ():
+    # they see what this process sees.
+    gpus: tuple[str, ...] = ()
 
     @property
     def is_builtin(self) -> bool:
         return self.model.startswith(BUILTIN_PREFIX)
+
+    def replica_gpus(self, replica: int) -> tuple[str, ...]:
+        """The GPUs of local worker `replica` (0-based); () where none are assigned."""
+        if not self.gpus:
+            return ()
+        share = len(self.gpus) // self.replicas
+        return self.gpus[replica * share : (replica + 1) * share]
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,6 +318,7 @@ def parse_model(m: object, key: str) -> ModelSpec:
             "worker_stream",
             "worker_tls",
             "chat_template",
+            "gpus",
         },
         key,
     )
@@ -353,6 +365,7 @@ def parse_model(m: object, key: str) -> ModelSpec:
         _check_vllm_engine_args(engine_args, f"{key}.engine_args")
     else:
         _check_cpp_engine_args(engine, engine_args, f"{key}.engine_args")
+    gpus = _gpus(m, key, engine, replicas, engine_args)
     routing = m.get("routing", "")
     if routing != "" and routing not in ROUTING_POLICIES:
         raise ConfigError(
@@ -404,7 +417,56 @@ def parse_model(m: object, key: str) -> ModelSpec:
         worker_stream=worker_stream,
         worker_tls=_worker_tls(m, key),
         chat_template=_chat_template(m.get("chat_template"), f"{key}.chat_template"),
+        gpus=gpus,
     )
+
+
+_GPU_ID_RE = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z\-/]+)$")
+
+
+def _gpus(
+    m: dict[str, Any], key: str, engine: str, replicas: int, engine_args: dict[Any, Any]
+) -> tuple[str, ...]:
+    """The GPUs the model's local workers are started on, as CUDA_VISIBLE_DEVICES names
+    them: an equal share for each replica, in order."""
+    if "gpus" not in m:
+        return ()
+    where = f"{key}.gpus"
+    raw = m["gpus"]
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(where, "expected a list of GPU indices or UUIDs, like [0, 1]")
+    ids: list[str] = []
+    for j, g in enumerate(raw):
+        text = str(g) if isinstance(g, int) and not isinstance(g, bool) else g
+        if not isinstance(text, str) or not _GPU_ID_RE.match(text):
+            raise ConfigError(
+                f"{where}[{j}]", f"expected a GPU index (0, 1, ...) or a GPU-/MIG- UUID, got {g!r}"
+            )
+        if text in ids:
+            raise ConfigError(f"{where}[{j}]", f"GPU {text} is listed twice")
+        ids.append(text)
+    if engine == "sim":
+        raise ConfigError(where, "the sim engine runs on no GPU")
+    if m.get("workers") or m.get("discovery"):
+        raise ConfigError(
+            where, "only for workers this control plane starts (not with workers or discovery)"
+        )
+    if len(ids) % replicas:
+        raise ConfigError(where, f"{len(ids)} GPUs do not split evenly over {replicas} replicas")
+    share = len(ids) // replicas
+    backend = engine_args.get("distributed_executor_backend")
+    if engine == "vllm" and backend in (None, "mp", "uni"):
+        world = 1
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            v = engine_args.get(name, 1)
+            world *= v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 1
+        if world > share:
+            raise ConfigError(
+                where,
+                f"each of {replicas} replicas gets {share} of the {len(ids)} GPUs listed, but "
+                f"engine_args asks for tensor_parallel_size x pipeline_parallel_size = {world}",
+            )
+    return tuple(ids)
 
 
 def _chat_template(value: object, key: str) -> str | None:

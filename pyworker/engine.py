@@ -17,6 +17,7 @@ import structlog
 
 from pyworker.adapters import LoraLimits
 from pyworker.beams import max_beam_width
+from pyworker.cpu_binding import BIND_ENV, bind_cpu_ranks
 from pyworker.engine_args import blame, current_machine, engine_arg_names, resolve
 from pyworker.gpu_memory import GpuMemoryReader
 from pyworker.kv_events import engine_kwargs
@@ -214,6 +215,13 @@ def build_engine(
     names = engine_arg_names()
     machine = current_machine()
     kwargs, kv_events = engine_kwargs(resolve(engine_args, model, machine, names))
+    if machine.platform == "cpu":
+        ranks = int(kwargs.get("tensor_parallel_size") or 1) * int(
+            kwargs.get("pipeline_parallel_size") or 1
+        )
+        binding = bind_cpu_ranks(ranks)
+        if binding is not None:
+            log.info("CPU ranks bound", ranks=ranks, **{BIND_ENV: binding})
     log.info("checking engine settings", model=model, engine_args=kwargs)
     try:
         vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()

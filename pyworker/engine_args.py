@@ -402,6 +402,12 @@ _BLAME: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = tuple(
         ),
         (r"free memory on device .* is less than desired", ("gpu_memory_utilization",)),
         (r"max_model_len|max seq len|max_position_embeddings", ("max_model_len",)),
+        # vLLM-CPU's own binding of ranks to NUMA nodes (an operator's "auto"; the worker
+        # binds them itself otherwise, pyworker/cpu_binding.py)
+        (
+            r"NUMA nodes to bind threads|doesn't match local world size",
+            ("tensor_parallel_size", "pipeline_parallel_size"),
+        ),
         (r"attention heads|tensor.parallel", ("tensor_parallel_size",)),
         (r"pipeline.parallel|pipeline stages", ("pipeline_parallel_size",)),
         (r"kv.cache.dtype|kv_cache_dtype", ("kv_cache_dtype",)),

@@ -50,6 +50,7 @@ def worker_status(entry: ModelEntry, w: WorkerClient) -> admin_pb2.WorkerStatus:
         process=proc.status if proc else "",
         restarts=proc.restarts if proc else 0,
         adapters=sorted(w.adapters),
+        gpus=proc.gpus if proc else [],
         **_engine_shape(w),
     )
 
@@ -90,6 +91,8 @@ def spec_to_dict(spec: admin_pb2.ModelSpec) -> dict[str, Any]:
         raw["workers"] = list(spec.workers)
     if spec.routing:
         raw["routing"] = spec.routing
+    if spec.gpus:
+        raw["gpus"] = list(spec.gpus)
     for name in ("engine_args", "limits", "health"):
         if spec.HasField(name):
             values = json_format.MessageToDict(getattr(spec, name))

@@ -90,14 +90,21 @@ WORKER_SERVICE_NAME = "switchyard-vllm-worker"
 class ModelLoader:
     """Starts, joins, drains and stops the workers of models in a registry."""
 
-    def _worker_env(self, spec: ModelSpec) -> dict[str, str] | None:
-        """A traced vLLM worker's spans name their service (OpenTelemetry's
-        OTEL_SERVICE_NAME); otherwise the worker gets this process's environment."""
-        if self.otlp_endpoint is None or spec.engine != "vllm":
+    def _worker_env(self, spec: ModelSpec, replica: int = 0) -> dict[str, str] | None:
+        """This process's environment (NCCL's settings among it), with the replica's share
+        of the model's `gpus` as CUDA_VISIBLE_DEVICES, and for a traced vLLM worker the
+        service its spans name (OpenTelemetry's OTEL_SERVICE_NAME). None: unchanged."""
+        gpus = spec.replica_gpus(replica)
+        traced = self.otlp_endpoint is not None and spec.engine == "vllm"
+        if not gpus and not traced:
             return None
-        env = {**os.environ, "OTEL_SERVICE_NAME": WORKER_SERVICE_NAME}
-        if not self.otlp_endpoint.startswith("https://"):  # plaintext, as the endpoint's
-            env.setdefault("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "true")
+        env = dict(os.environ)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        if traced:
+            env["OTEL_SERVICE_NAME"] = WORKER_SERVICE_NAME
+            if not str(self.otlp_endpoint).startswith("https://"):  # plaintext, as the endpoint's
+                env.setdefault("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "true")
         return env
 
     def __init__(
@@ -142,13 +149,16 @@ class ModelLoader:
                         cmd,
                         f"{self.worker_host}:{port}",
                         termination_log=term,
-                        env=self._worker_env(spec),
+                        env=self._worker_env(spec, i),
                     )
                     await lw.start()
                     local.append(lw)
                     addresses.append(lw.address)
             clients = [worker_client(a, spec) for a in addresses]
-            log.info("loading model", model=spec.name, engine=spec.engine, workers=addresses)
+            placed = {"gpus": [",".join(lw.gpus) for lw in local]} if spec.gpus else {}
+            log.info(
+                "loading model", model=spec.name, engine=spec.engine, workers=addresses, **placed
+            )
             if spec.dns:
                 # Behind a name, some addresses may never answer (a pod going away, an
                 # IPv6 record nobody listens on): load with those that serve.

@@ -131,6 +131,12 @@ class LocalWorker:
         self._monitor: asyncio.Task[None] | None = None
 
     @property
+    def gpus(self) -> list[str]:
+        """The GPUs it is started on: its CUDA_VISIBLE_DEVICES (empty where unset)."""
+        env = self.env if self.env is not None else os.environ
+        return [g.strip() for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+
+    @property
     def status(self) -> str:
         if self.gave_up:
             return "gave_up"

@@ -86,6 +86,13 @@ def test_admin_commands_show_progress(plane: Proc) -> None:
     assert out.returncode == 0, out.stderr
     workers = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(workers) == 2 and all(w["model"] == "sim" for w in workers)
+    out = cli(plane, "workers")
+    assert out.returncode == 0 and out.stdout.count("\ttp 1 x pp 1\n") == 2, out.stdout
+    out = cli(
+        plane, "load", "placed", "--engine", "sim", "--model-path", "builtin:tiny", "--gpus", "0"
+    )
+    assert out.returncode == 1 and "spec.gpus" in out.stderr, out.stderr
+    assert "the sim engine runs on no GPU" in out.stderr
     out = cli(
         plane, "load", "extra", "--engine", "sim", "--model-path", "builtin:tiny",
         "--engine-args", '{"decode_step_us": 500}',

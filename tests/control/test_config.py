@@ -176,3 +176,48 @@ def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
     bad.write_text("models: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "extra", "key", "reason"),
+    [
+        ("0,1", {}, "models[0].gpus", "expected a list"),
+        ([], {}, "models[0].gpus", "expected a list"),
+        ([0, "cuda:1"], {}, "models[0].gpus[1]", "GPU index"),
+        ([0, True], {}, "models[0].gpus[1]", "GPU index"),
+        ([0, 0], {}, "models[0].gpus[1]", "listed twice"),
+        ([0, 1, 2], {"replicas": 2}, "models[0].gpus", "do not split evenly over 2 replicas"),
+        ([0], {"workers": ["h:1"]}, "models[0].gpus", "only for workers this control plane"),
+        ([0], {"engine": "sim"}, "models[0].gpus", "the sim engine runs on no GPU"),
+        (
+            [0, 1],
+            {"replicas": 2, "engine_args": {"tensor_parallel_size": 2}},
+            "models[0].gpus",
+            "each of 2 replicas gets 1 of the 2 GPUs listed, but engine_args asks for "
+            "tensor_parallel_size x pipeline_parallel_size = 2",
+        ),
+    ],
+)
+def test_gpus_a_model_cannot_be_given_name_the_key_and_why(
+    gpus: object, extra: dict[str, object], key: str, reason: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"models": [model(gpus=gpus, **extra)]})
+    assert info.value.key == key
+    assert reason in str(info.value)
+
+
+def test_gpus_split_evenly_over_the_replicas_in_order() -> None:
+    raw = model(
+        replicas=2, gpus=[3, 2, "GPU-5f1c0a7e-aaaa", 0], engine_args={"tensor_parallel_size": 2}
+    )
+    (spec,) = parse_config({"models": [raw]}).models
+    assert spec.gpus == ("3", "2", "GPU-5f1c0a7e-aaaa", "0")
+    assert [spec.replica_gpus(i) for i in range(2)] == [("3", "2"), ("GPU-5f1c0a7e-aaaa", "0")]
+    # Ray places its own ranks, across machines: only the split is checked then.
+    ray = model(
+        gpus=[0], engine_args={"tensor_parallel_size": 8, "distributed_executor_backend": "ray"}
+    )
+    assert parse_config({"models": [ray]}).models[0].gpus == ("0",)
+    (plain,) = parse_config({"models": [model()]}).models
+    assert plain.gpus == () and plain.replica_gpus(0) == ()

