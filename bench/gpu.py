@@ -3,6 +3,7 @@
     python -m bench.gpu --phase fronts --out DIR     # AsyncLLM in-process, worker, control plane
     python -m bench.gpu --phase peers --out DIR      # vLLM's OpenAI and gRPC servers
     python -m bench.gpu --phase quant --out DIR      # quantization: fp8, kv_cache_dtype: fp8
+    python -m bench.gpu --phase tp --out DIR         # tensor_parallel_size 1 and 2 (2 GPUs)
     python -m bench.gpu --report DIR...              # docs/benchmarks-gpu.md from the results
 
 Made for the lent H200 (scripts/gpu-bench.sh runs it there): an 8B Llama shape with random
@@ -274,15 +275,18 @@ def list_workers(address: str) -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def gpu_memory_sampler(path: Path, interval_ms: int = 500) -> Iterator[None]:
-    """nvidia-smi's reading of the GPU's memory in use, every interval, into a CSV."""
+def gpu_memory_sampler(
+    path: Path, interval_ms: int = 500, query: str = "timestamp,memory.used,memory.total"
+) -> Iterator[None]:
+    """nvidia-smi's reading of the GPUs' memory in use (`query`'s fields, one line per GPU),
+    every interval, into a CSV."""
     if shutil.which("nvidia-smi") is None:
         yield  # no GPU here (--smoke)
         return
     with open(path, "w") as f:
         proc = subprocess.Popen(
             [
-                "nvidia-smi", "--query-gpu=timestamp,memory.used,memory.total",
+                "nvidia-smi", f"--query-gpu={query}",
                 "--format=csv,noheader,nounits", f"-lms={interval_ms}",
             ],
             stdout=f,
@@ -414,7 +418,8 @@ def environment() -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--phase", choices=("fronts", "peers", "quant", "fast", "fast2", "pin1", "pin2", "routers2")
+        "--phase",
+        choices=("fronts", "peers", "quant", "tp", "fast", "fast2", "pin1", "pin2", "routers2"),
     )
     p.add_argument("--out", type=Path)
     p.add_argument("--model-dir", type=Path, help="default: an 8B shape made in /tmp/llama-8b")
@@ -465,6 +470,10 @@ def main() -> None:
 
         result["environment"]["settings"] = FAST_SETTINGS
         steps = list(fast_steps(args.phase, model, args.out))
+    elif args.phase == "tp":  # two GPUs (the nvidia-h200-x2 kind)
+        from bench.gpu_tp import steps as tp_steps
+
+        steps = tp_steps(model, args.out)
     elif args.phase == "fronts":
         steps = [
             (

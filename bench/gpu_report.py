@@ -328,12 +328,14 @@ def splice(existing: str, block: str) -> str:
 # A fast engine on the H200 (bench.gpu_fast, docs/profiles.md): written by hand from
 # its results, kept like the GPU section.
 FAST_BEGIN, FAST_END = "<!-- fast:begin -->", "<!-- fast:end -->"
+# Tensor parallelism on two GPUs (bench.gpu_tp), kept the same way.
+TP_BEGIN, TP_END = "<!-- tp:begin -->", "<!-- tp:end -->"
 
 
 def kept_section(existing: str) -> str:
     """The GPU sections of `existing`, for bench.report to keep when it rewrites the rest."""
     kept = []
-    for begin, end in ((BEGIN, END), (FAST_BEGIN, FAST_END)):
+    for begin, end in ((BEGIN, END), (FAST_BEGIN, FAST_END), (TP_BEGIN, TP_END)):
         if begin in existing and end in existing:
             kept.append(begin + existing.partition(begin)[2].partition(end)[0] + end)
     return "\n\n".join(kept)

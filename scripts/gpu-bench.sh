@@ -4,7 +4,8 @@
 # into .gpu/) travels in parts, one device call each, to /tmp/parts; the Python stubs
 # travel with the call (carry build/cp311-cp311-linux_x86_64/python).
 #   scripts/gpu-bench.sh copy .gpu/pN            # one call per part
-#   scripts/gpu-bench.sh run PHASE [PHASE...]    # fronts | peers | quant | fast | fast2
+#   scripts/gpu-bench.sh run PHASE [PHASE...]    # fronts | peers | quant | fast | fast2 | ...
+#                                                # tp: two GPUs, the nvidia-h200-x2 kind
 # Results in $OUT. Optional, carried with the last call: .gpu/tools/py-spy (a static binary,
 # for the profiles of the fast phases) and .gpu/before (the previous commit's control,
 # pyworker and switchyard_common, for the before-and-after runs).

@@ -21,3 +21,10 @@ def test_the_fast_engine_section_is_kept_too() -> None:
     doc = f"# Benchmarks\n\nCPU\n\n{BEGIN}\nH200\n{END}\n\n{FAST_BEGIN}\n1B\n{FAST_END}\n"
     assert kept_section(doc) == f"{BEGIN}\nH200\n{END}\n\n{FAST_BEGIN}\n1B\n{FAST_END}"
     assert "1B" in splice(doc, f"{BEGIN}\nH200 v2\n{END}")
+
+
+def test_the_tensor_parallel_section_is_kept_too() -> None:
+    from bench.gpu_report import FAST_BEGIN, FAST_END, TP_BEGIN, TP_END
+
+    doc = f"CPU\n\n{FAST_BEGIN}\n1B\n{FAST_END}\n\n{TP_BEGIN}\nTP=2\n{TP_END}\n"
+    assert kept_section(doc) == f"{FAST_BEGIN}\n1B\n{FAST_END}\n\n{TP_BEGIN}\nTP=2\n{TP_END}"
