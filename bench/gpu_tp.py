@@ -165,6 +165,16 @@ def _median(runs: list[dict[str, Any]], key: str, sub: str = "") -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def failure(error: str) -> str:
+    """What the operator reads of a system that did not start: the control plane's own
+    last "startup failed" error, on one line, else the error's last line."""
+    flat = " ".join(error.split())
+    said = flat.rpartition("startup failed")[2].strip()
+    if said.startswith("error="):
+        return said.removeprefix("error=").strip("'\"")[:400]
+    return (error.strip().splitlines() or [""])[-1][:400]
+
+
 def summary(result: dict[str, Any]) -> str:
     """TP=2 against TP=1, load by load: medians of the runs, and the ratios."""
     systems_ = {s["label"]: s for s in result["systems"] if "runs" in s}
@@ -201,6 +211,9 @@ def summary(result: dict[str, Any]) -> str:
                 f"{_median(two, 'ttft_ms', 'p50') / _median(one, 'ttft_ms', 'p50'):.2f}, "
                 f"TTFT p99 {_median(two, 'ttft_ms', 'p99') / _median(one, 'ttft_ms', 'p99'):.2f}"
             )
+    for s in result["systems"]:
+        if "error" in s:
+            lines.append(f"- {s['label']}: did not serve: {failure(s['error'])}")
     for label, s in systems_.items():
         (w,) = s["list_workers"][:1] or [{}]
         info = s.get("get_info", {})
