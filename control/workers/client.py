@@ -355,7 +355,7 @@ class WorkerClient:
             ]
 
     async def probe(self, timeout: float) -> bool:
-        return await health.probe(self, timeout)
+        return await health.probe(self, timeout) == "ok"
 
     async def close(self) -> None:
         self.serving = False

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import grpc
 import structlog
@@ -36,18 +36,41 @@ class Load:
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
     gpu_memory_used_bytes: int = 0
+    generation_tokens_per_s: float = 0.0  # the engine's, over the worker's last seconds
+
+
+Outcome = Literal["ok", "queued", "failed"]
+
+
+def progressing(worker: WorkerClient, since: float) -> bool:
+    """The worker reported, after `since`, that its engine is generating: a canary that
+    timed out behind a full queue then says the worker is busy, not hung. A hung engine
+    reports no tokens once the worker's rate window (2 s) has passed; a stopped process
+    reports nothing."""
+    load = worker.load
+    return load.updated > since and load.generation_tokens_per_s > 0
 
 
 async def canary(worker: WorkerClient) -> None:
     """A one-token generation every interval: a worker whose process lives but whose
-    engine hangs stops answering it, and its circuit opens."""
+    engine hangs stops answering it, and its circuit opens. A canary that waits its
+    timeout out (or is refused as over capacity) behind other requests while the engine
+    generates counts neither way: a saturated worker is not ejected."""
     policy = worker.health_policy
     while True:
         await asyncio.sleep(policy.canary_interval_s)
         if not worker.serving or worker.info is None:
             continue
-        ok = await probe(worker, policy.canary_timeout_s)
-        if ok:
+        started = time.monotonic()
+        outcome = await probe(worker, policy.canary_timeout_s)
+        if outcome == "queued" and progressing(worker, started):
+            log.debug(
+                "canary queued behind load",
+                worker=worker.address,
+                waiting=worker.load.waiting,
+                tokens_per_s=round(worker.load.generation_tokens_per_s),
+            )
+        elif outcome == "ok":
             if not worker.breaker.allows_traffic():
                 log.info("worker canary passed; circuit closed", worker=worker.address)
             worker.breaker.record_success()
@@ -65,7 +88,9 @@ async def canary(worker: WorkerClient) -> None:
                     call.eject()
 
 
-async def probe(worker: WorkerClient, timeout: float) -> bool:
+async def probe(worker: WorkerClient, timeout: float) -> Outcome:
+    """One canary: "ok" when it finished, "queued" when it ran out of time or the
+    worker refused it as over capacity, "failed" otherwise."""
     assert worker.info is not None
     first = worker.info.eos_token_ids[0] if worker.info.eos_token_ids else 0
     req = worker_pb2.GenerateRequest(
@@ -79,10 +104,11 @@ async def probe(worker: WorkerClient, timeout: float) -> bool:
         async for resp in worker.stub.Generate(req, timeout=timeout):
             if resp.HasField("final"):
                 worker.last_canary_ms = (time.monotonic() - started) * 1000
-                return True
-    except grpc.aio.AioRpcError:
-        return False
-    return False
+                return "ok"
+    except grpc.aio.AioRpcError as e:
+        busy = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        return "queued" if e.code() in busy else "failed"
+    return "failed"
 
 
 async def watch_health(worker: WorkerClient) -> None:
@@ -187,6 +213,7 @@ async def watch_load(worker: WorkerClient) -> None:
                     kv_blocks_used=r.kv_blocks_used,
                     kv_blocks_free=r.kv_blocks_free,
                     gpu_memory_used_bytes=r.gpu_memory_used_bytes,
+                    generation_tokens_per_s=r.generation_tokens_per_s,
                 )
         except grpc.aio.AioRpcError:
             pass

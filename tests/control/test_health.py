@@ -1,15 +1,21 @@
 """The canary: a worker that stops answering it has its streams moved elsewhere, however
-its circuit came to be open."""
+its circuit came to be open; a worker whose canary only waits behind its load stays."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
+from control.fleet.supervisor import free_port
 from control.workers import health
 from control.workers.client import HealthPolicy, WorkerClient, WorkerInfo
+from tests.procs import serving_control
 
 
 async def test_a_failing_canary_ejects_calls_when_requests_opened_the_circuit(
@@ -29,8 +35,8 @@ async def test_a_failing_canary_ejects_calls_when_requests_opened_the_circuit(
 
     client.calls.add(Call())  # type: ignore[arg-type]
 
-    async def no_answer(worker: Any, timeout: float) -> bool:
-        return False
+    async def no_answer(worker: Any, timeout: float) -> str:
+        return "failed"
 
     monkeypatch.setattr(health, "probe", no_answer)
     canary = asyncio.create_task(health.canary(client))
@@ -41,3 +47,78 @@ async def test_a_failing_canary_ejects_calls_when_requests_opened_the_circuit(
         canary.cancel()
         await asyncio.gather(canary, return_exceptions=True)
         await client.channel.close(None)
+
+
+@pytest.mark.parametrize(
+    ("tokens_per_s", "ejected_expected"),
+    [(0.0, True), (850.0, False)],
+    ids=["hung-engine-live-server", "busy-engine"],
+)
+async def test_a_timed_out_canary_counts_unless_the_engine_is_generating(
+    monkeypatch: pytest.MonkeyPatch, tokens_per_s: float, ejected_expected: bool
+) -> None:
+    """Load reports keep coming (the worker's server lives); only the engine's token rate
+    tells a hung engine from a busy one."""
+    client = WorkerClient("127.0.0.1:1", HealthPolicy(canary_interval_s=0.01, failure_threshold=2))
+    client.serving = True
+    client.info = WorkerInfo("sim", "t", "m", 2048, 512, (1,), 16, True)
+    ejected = asyncio.Event()
+
+    class Call:
+        def eject(self) -> None:
+            ejected.set()
+
+    client.calls.add(Call())  # type: ignore[arg-type]
+
+    async def times_out(worker: Any, timeout: float) -> str:
+        await asyncio.sleep(0.02)  # a load report arrives meanwhile
+        worker.load = health.Load(running=2, waiting=6, updated=time.monotonic(),
+                                  generation_tokens_per_s=tokens_per_s)  # fmt: skip
+        return "queued"
+
+    monkeypatch.setattr(health, "probe", times_out)
+    canary = asyncio.create_task(health.canary(client))
+    try:
+        if ejected_expected:
+            async with asyncio.timeout(5):
+                await ejected.wait()
+        else:
+            await asyncio.sleep(0.5)  # about 15 canaries, every one timed out
+            assert not ejected.is_set() and client.breaker.allows_traffic()
+    finally:
+        canary.cancel()
+        await asyncio.gather(canary, return_exceptions=True)
+        await client.channel.close(None)
+
+
+def test_a_saturated_worker_is_not_ejected_for_canaries_queued_behind_its_load(
+    tmp_path: Path,
+) -> None:
+    """One simulated worker, two requests at a time, eight sent: the canary waits behind
+    six and times out again and again, yet the engine is generating, so the worker stays
+    in, and every stream completes (before, two such canaries ejected it, and its streams
+    had nowhere to go)."""
+    models = (
+        "  - name: sim\n    engine: sim\n    model: builtin:tiny\n"
+        "    engine_args: {max_batch: 2, decode_step_us: 20000}\n"
+        "    health: {canary_interval_s: 0.2, canary_timeout_s: 0.3, failure_threshold: 2}\n"
+    )
+    with serving_control(tmp_path, free_port(), models, "sim") as proc:
+        with grpc.insecure_channel(proc.address) as ch:
+            gen = generation_pb2_grpc.GenerationStub(ch)
+            req = generation_pb2.GenerateRequest(
+                model="sim",
+                text="Hello",
+                stopping=generation_pb2.StoppingParams(max_tokens=50, ignore_eos=True),
+            )
+            futures = [gen.Complete.future(req, timeout=60) for _ in range(8)]
+            done = [f.result() for f in futures]
+            (w,) = (
+                admin_pb2_grpc.AdminStub(ch)
+                .ListWorkers(admin_pb2.ListWorkersRequest(), timeout=10)
+                .workers
+            )
+        log = proc.log_path.read_text()
+    assert [d.final.usage.completion_tokens for d in done] == [50] * 8
+    assert w.routable and w.circuit == "closed", w
+    assert "worker ejected" not in log and "circuit open" not in log
