@@ -85,9 +85,12 @@ def process_envs(pid: int) -> list[dict[str, Any]]:
         try:
             cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
         except OSError:
+            continue  # gone since
+        env = systems.process_env(child, names)
+        if env is None:
             continue
         name = " ".join(c.decode(errors="replace") for c in cmd[:3]).strip()[:80]
-        out.append({"pid": child, "process": name, "env": systems.process_env(child, names)})
+        out.append({"pid": child, "process": name, "env": env})
     return out
 
 
@@ -177,18 +180,18 @@ def failure(error: str) -> str:
 
 def summary(result: dict[str, Any]) -> str:
     """TP=2 against TP=1, load by load: medians of the runs, and the ratios."""
-    systems_ = {s["label"]: s for s in result["systems"] if "runs" in s}
+    by_label = {s["label"]: s for s in result["systems"] if "runs" in s}
     lines = [
         "| system | GPUs | requests | complete | output tok/s | TTFT p50 ms | TTFT p99 ms "
         "| GPU memory in use (peak, MiB) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     by: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for label, s in systems_.items():
+    for label, s in by_label.items():
         for r in s["runs"]:
             by.setdefault((label, int(r["concurrency"])), []).append(r)
     for (label, load), runs in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        s = systems_[label]
+        s = by_label[label]
         mem = s.get("gpu_memory", {}).get(str(load), {})
         memory = ", ".join(
             f"GPU {i}: {v['peak_used_mib']:,.0f} of {v['total_mib']:,.0f}"
@@ -214,7 +217,7 @@ def summary(result: dict[str, Any]) -> str:
     for s in result["systems"]:
         if "error" in s:
             lines.append(f"- {s['label']}: did not serve: {failure(s['error'])}")
-    for label, s in systems_.items():
+    for label, s in by_label.items():
         (w,) = s["list_workers"][:1] or [{}]
         info = s.get("get_info", {})
         lines.append(

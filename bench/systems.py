@@ -175,16 +175,16 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def process_env(pid: int, names: tuple[str, ...]) -> dict[str, str]:
+def process_env(pid: int, names: tuple[str, ...]) -> dict[str, str] | None:
     """The values of `names` in a running process's environment, as it was started. A
     process that renames itself (vLLM's, through setproctitle) blanks it, unless
-    SPT_NOENV is set in its environment."""
+    SPT_NOENV is set in its environment. None: the process is gone."""
     with contextlib.suppress(OSError):
         raw = Path(f"/proc/{pid}/environ").read_bytes()
         pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
         env = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
         return {n: env[n] for n in names if n in env}
-    return {}
+    return None  # gone
 
 
 def cpu_seconds(pids: list[int]) -> float:

@@ -457,14 +457,15 @@ def _gpus(
     backend = engine_args.get("distributed_executor_backend")
     if engine == "vllm" and backend in (None, "mp", "uni"):
         world = 1
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             v = engine_args.get(name, 1)
             world *= v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 1
         if world > share:
             raise ConfigError(
                 where,
                 f"each of {replicas} replicas gets {share} of the {len(ids)} GPUs listed, but "
-                f"engine_args asks for tensor_parallel_size x pipeline_parallel_size = {world}",
+                "engine_args asks for tensor_parallel_size x pipeline_parallel_size x "
+                f"data_parallel_size = {world}",
             )
     return tuple(ids)
 

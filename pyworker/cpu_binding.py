@@ -3,8 +3,9 @@
 vLLM-CPU binds each rank's OpenMP threads to a NUMA node of its own
 (`VLLM_CPU_OMP_THREADS_BIND=auto`, its default), so on a machine of fewer NUMA nodes than
 ranks it refuses `tensor_parallel_size: 2` ("Not enough allowed NUMA nodes"). There the
-worker splits the CPUs this process may run on into one contiguous group per rank, in
-vLLM's own format ("0-3|4-7"). An operator's own `VLLM_CPU_OMP_THREADS_BIND` is kept.
+worker splits the CPUs this process may run on, in order, into one equal group per rank,
+in vLLM's own format ("0-3|4-7"). An operator's own `VLLM_CPU_OMP_THREADS_BIND` is kept.
+vLLM's "auto" would also keep a CPU back for its other processes; this does not.
 """
 
 from __future__ import annotations

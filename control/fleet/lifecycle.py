@@ -10,7 +10,7 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,26 @@ async def resolve(hostport: str) -> list[str]:
 WORKER_SERVICE_NAME = "switchyard-vllm-worker"
 
 
+def visible_devices(model: str, gpus: Sequence[str], parent: str | None) -> str:
+    """A worker's CUDA_VISIBLE_DEVICES: `gpus`, whose indices count the GPUs this process
+    sees (its own CUDA_VISIBLE_DEVICES, a scheduler's allocation, when set); UUIDs pass."""
+    seen = [g.strip() for g in (parent or "").split(",") if g.strip()]
+    if not seen:
+        return ",".join(gpus)
+    out = []
+    for g in gpus:
+        if not g.isdigit():
+            out.append(g)
+        elif int(g) < len(seen):
+            out.append(seen[int(g)])
+        else:
+            raise StartupError(
+                f"model {model!r}: gpus: GPU {g} is not among the {len(seen)} this control "
+                f"plane sees (CUDA_VISIBLE_DEVICES={parent})"
+            )
+    return ",".join(out)
+
+
 class ModelLoader:
     """Starts, joins, drains and stops the workers of models in a registry."""
 
@@ -100,7 +120,9 @@ class ModelLoader:
             return None
         env = dict(os.environ)
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(
+                spec.name, gpus, os.environ.get("CUDA_VISIBLE_DEVICES")
+            )
         if traced:
             env["OTEL_SERVICE_NAME"] = WORKER_SERVICE_NAME
             if not str(self.otlp_endpoint).startswith("https://"):  # plaintext, as the endpoint's

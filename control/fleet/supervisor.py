@@ -116,6 +116,9 @@ class LocalWorker:
     ) -> None:
         self.name = name
         self.env = dict(env) if env is not None else None  # None: this process's
+        self._visible = (self.env if self.env is not None else os.environ).get(
+            "CUDA_VISIBLE_DEVICES", ""
+        )
         self.on_exit = on_exit  # called with the pid of each process that ended
         self.termination_log = termination_log  # where the worker writes why it could not start
         self.cmd = list(cmd)
@@ -133,8 +136,7 @@ class LocalWorker:
     @property
     def gpus(self) -> list[str]:
         """The GPUs it is started on: its CUDA_VISIBLE_DEVICES (empty where unset)."""
-        env = self.env if self.env is not None else os.environ
-        return [g.strip() for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+        return [g.strip() for g in self._visible.split(",") if g.strip()]
 
     @property
     def status(self) -> str:

@@ -194,7 +194,7 @@ def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
             {"replicas": 2, "engine_args": {"tensor_parallel_size": 2}},
             "models[0].gpus",
             "each of 2 replicas gets 1 of the 2 GPUs listed, but engine_args asks for "
-            "tensor_parallel_size x pipeline_parallel_size = 2",
+            "tensor_parallel_size x pipeline_parallel_size x data_parallel_size = 2",
         ),
     ],
 )

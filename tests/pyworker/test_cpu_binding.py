@@ -17,11 +17,12 @@ def test_the_kernels_cpu_lists_parse() -> None:
     assert parse_cpu_list("") == set()
 
 
-def test_ranks_split_the_allowed_cpus_into_contiguous_groups() -> None:
+def test_ranks_split_the_allowed_cpus_in_order_into_equal_groups() -> None:
     assert thread_binding(2, [0, 1], nodes=1) == "0|1"
     assert thread_binding(2, range(8), nodes=1) == "0-3|4-7"
     assert thread_binding(3, [0, 1, 2, 3, 4, 6, 7], nodes=1) == "0-2|3-4|6-7"
     assert thread_binding(4, [5, 1, 3, 2], nodes=2) == "1|2|3|5"
+    assert thread_binding(2, [0, 2, 4, 6], nodes=1) == "0,2|4,6"  # gaps in what is allowed
 
 
 def test_vllms_own_binding_is_kept_where_it_can_place_the_ranks() -> None:
