@@ -417,10 +417,8 @@ def environment() -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--phase",
-        choices=("fronts", "peers", "quant", "tp", "fast", "fast2", "pin1", "pin2", "routers2"),
-    )
+    phases = "fronts peers quant tp saturate fast fast2 pin1 pin2 routers2".split()
+    p.add_argument("--phase", choices=phases)
     p.add_argument("--out", type=Path)
     p.add_argument("--model-dir", type=Path, help="default: an 8B shape made in /tmp/llama-8b")
     p.add_argument("--smoke", action="store_true", help="a CPU check of the code paths")
@@ -474,6 +472,10 @@ def main() -> None:
         from bench.gpu_tp import steps as tp_steps
 
         steps = tp_steps(model, args.out)
+    elif args.phase == "saturate":  # a worker held saturated: the canary behind its queue
+        from bench.gpu_tp import saturate_steps
+
+        steps = saturate_steps(model, args.out)
     elif args.phase == "fronts":
         steps = [
             (

@@ -89,3 +89,16 @@ def test_the_tp_phase_serves_both_parallel_sizes_on_the_cpu(
         "tp2: GetInfo tensor_parallel_size 2, ListWorkers tensor_parallel_size 2 on GPUs 0,1"
         in text
     )
+
+
+@pytest.mark.timeout(600)  # one vLLM engine: about a minute here
+def test_the_saturate_phase_holds_a_worker_at_its_load_on_the_cpu(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    result = smoke_phase("saturate", tiny_model_dir, tmp_path, ("SWITCHYARD_BEFORE",))
+    [saturated] = result["systems"]
+    assert "error" not in saturated, saturated.get("error")
+    [run] = saturated["runs"]  # no $SWITCHYARD_BEFORE: this checkout's control plane alone
+    assert run["label"] == "control plane: this"
+    assert run["complete"] and run["requests"] == 8 * 3  # smoke: 8 at a time, three waves
+    assert run["routable_after"] == [True] and run["ejections"] == 0
