@@ -94,14 +94,14 @@ async def test_a_timed_out_canary_counts_unless_the_engine_is_generating(
 def test_a_saturated_worker_is_not_ejected_for_canaries_queued_behind_its_load(
     tmp_path: Path,
 ) -> None:
-    """One simulated worker, two requests at a time, eight sent: the canary waits behind
-    six and times out again and again, yet the engine is generating, so the worker stays
-    in, and every stream completes (before, two such canaries ejected it, and its streams
-    had nowhere to go)."""
+    """One simulated worker, two requests at a time, eight sent, 2 s each pair: the canary
+    waits behind six and times out again and again, yet the engine is generating, so the
+    worker stays in, and every stream completes (before, two such canaries between two
+    finished requests ejected it, and its streams had nowhere to go)."""
     models = (
         "  - name: sim\n    engine: sim\n    model: builtin:tiny\n"
         "    engine_args: {max_batch: 2, decode_step_us: 20000}\n"
-        "    health: {canary_interval_s: 0.2, canary_timeout_s: 0.3, failure_threshold: 2}\n"
+        "    health: {canary_interval_s: 0.2, canary_timeout_s: 0.5, failure_threshold: 2}\n"
     )
     with serving_control(tmp_path, free_port(), models, "sim") as proc:
         with grpc.insecure_channel(proc.address) as ch:
@@ -109,7 +109,7 @@ def test_a_saturated_worker_is_not_ejected_for_canaries_queued_behind_its_load(
             req = generation_pb2.GenerateRequest(
                 model="sim",
                 text="Hello",
-                stopping=generation_pb2.StoppingParams(max_tokens=50, ignore_eos=True),
+                stopping=generation_pb2.StoppingParams(max_tokens=100, ignore_eos=True),
             )
             futures = [gen.Complete.future(req, timeout=60) for _ in range(8)]
             done = [f.result() for f in futures]
@@ -119,6 +119,6 @@ def test_a_saturated_worker_is_not_ejected_for_canaries_queued_behind_its_load(
                 .workers
             )
         log = proc.log_path.read_text()
-    assert [d.final.usage.completion_tokens for d in done] == [50] * 8
+    assert [d.final.usage.completion_tokens for d in done] == [100] * 8
     assert w.routable and w.circuit == "closed", w
     assert "worker ejected" not in log and "circuit open" not in log
