@@ -255,12 +255,15 @@ def _asyncllm_main(
     llm.shutdown()
 
 
-def served_model(name: str, model: Path, settings: dict[str, Any]) -> str:
-    """A model entry of `switchyard serve` that starts its own vLLM worker."""
+def served_model(
+    name: str, model: Path, settings: dict[str, Any], gpus: tuple[str, ...] = ()
+) -> str:
+    """A model entry of `switchyard serve` that starts its own vLLM worker (on `gpus`)."""
     return (
         f"  - name: {name}\n    engine: vllm\n    model: {model}\n"
         f"    engine_args: {json.dumps(settings)}\n"
         "    limits: {max_concurrency: 1024, max_queue: 1024}\n"
+        + (f"    gpus: {json.dumps(list(gpus))}\n" if gpus else "")
     )
 
 

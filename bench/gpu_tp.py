@@ -112,7 +112,7 @@ def served(
     }  # fmt: skip
     log_dir = out / f"logs-{label}"  # packed by scripts/gpu-bench.sh, CSVs included
     log_dir.mkdir(parents=True, exist_ok=True)
-    entry = gpu.served_model("m", model, settings) + f"    gpus: {json.dumps(list(gpus))}\n"
+    entry = gpu.served_model("m", model, settings, gpus)
     started = time.monotonic()
     with systems.control_plane(entry, log_dir) as (cp, proc):
         result["start_s"] = time.monotonic() - started
@@ -151,7 +151,7 @@ def saturated(
     the one in `before` (a checkout with the canary before it told busy from hung)."""
     load = gpu.LOADS[-1]
     result: dict[str, Any] = {"label": "saturated", "settings": settings, "runs": []}
-    entry = gpu.served_model("m", model, settings) + '    gpus: ["0"]\n'
+    entry = gpu.served_model("m", model, settings, ("0",))
     for tag, cwd in [("this", None), *([("before", before)] if before else [])]:
         log_dir = out / f"logs-saturated-{tag}"
         log_dir.mkdir(parents=True, exist_ok=True)

