@@ -75,6 +75,9 @@ ENGINE_ARG_KEYS: dict[str, frozenset[str]] = {
             "time_scale",
             "max_loras",
             "max_lora_rank",
+            # Constraint kinds to declare (comma-separated); the simulator's tokens do not
+            # follow them: for tests of what surrounds guided decoding.
+            "structured_output",
         }
     ),
     # The engine's own config.json sets its limits; these may only lower them.

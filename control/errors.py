@@ -19,6 +19,7 @@ __all__ = [
     "ModelNotFound",
     "NoHealthyWorker",
     "NotFound",
+    "NotResumable",
     "Overloaded",
     "SwitchyardError",
     "WorkerFailed",
@@ -53,6 +54,19 @@ class Overloaded(SwitchyardError):
 
 class NoHealthyWorker(SwitchyardError):
     pass
+
+
+class NotResumable(SwitchyardError):
+    """A stream whose worker failed after its first token cannot go on elsewhere without
+    breaking what the request asked for (its constraint): UNAVAILABLE, with how many
+    tokens the caller has and why."""
+
+    def __init__(self, tokens: int, failure: str, why: str) -> None:
+        self.tokens = tokens
+        super().__init__(
+            f"the stream was interrupted after {tokens} tokens ({failure}) and cannot be "
+            f"resumed: {why}"
+        )
 
 
 class WorkerFailed(SwitchyardError):

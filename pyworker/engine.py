@@ -21,6 +21,8 @@ from pyworker.cpu_binding import BIND_ENV, bind_cpu_ranks
 from pyworker.engine_args import blame, current_machine, engine_arg_names, resolve
 from pyworker.gpu_memory import GpuMemoryReader
 from pyworker.kv_events import engine_kwargs
+from pyworker.resume_grammar import PROCESSOR as RESUME_PROCESSOR
+from pyworker.resume_grammar import resumable
 from pyworker.stderr_tail import StderrTail
 
 log = structlog.get_logger(__name__)
@@ -53,6 +55,9 @@ class EngineInfo:
     structured_output: tuple[str, ...] = ()
     lora: LoraLimits = field(default_factory=LoraLimits)  # the engine's LoRA settings
     max_beam_width: int = 0  # beam search (pyworker/beams.py); 0: none
+    # The kinds whose streams it continues with the grammar advanced past another
+    # worker's tokens (pyworker/resume_grammar.py); none where that is not loaded.
+    resumable_constraints: tuple[str, ...] = ()
 
 
 @dataclass
@@ -222,6 +227,10 @@ def build_engine(
         binding = bind_cpu_ranks(ranks)
         if binding is not None:
             log.info("CPU ranks bound", ranks=ranks, **{BIND_ENV: binding})
+    if resumable(kwargs):
+        # Constrained streams resumed here continue their grammar (resume_grammar.py).
+        processors = list(kwargs.get("logits_processors") or ())
+        kwargs["logits_processors"] = [*processors, RESUME_PROCESSOR]
     log.info("checking engine settings", model=model, engine_args=kwargs)
     try:
         vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()
@@ -303,6 +312,7 @@ def engine_info(llm: Any, model: str) -> EngineInfo:
         structured_output=_structured_output_kinds(vllm_config),
         lora=LoraLimits.of(getattr(vllm_config, "lora_config", None)),
         max_beam_width=max_beam_width(max_logprobs, not model_config.skip_tokenizer_init),
+        resumable_constraints=_resumable_kinds(model_config),
     )
 
 
@@ -318,6 +328,13 @@ def _structured_output_kinds(vllm_config: Any) -> tuple[str, ...]:
         vllm_config, "decoding_config", None
     )
     if config is None or vllm_config.model_config.skip_tokenizer_init:
+        return ()
+    return STRUCTURED_OUTPUT_KINDS
+
+
+def _resumable_kinds(model_config: Any) -> tuple[str, ...]:
+    """Every structured-output kind, where the resume processor is loaded."""
+    if RESUME_PROCESSOR not in (getattr(model_config, "logits_processors", None) or ()):
         return ()
     return STRUCTURED_OUTPUT_KINDS
 

@@ -25,6 +25,7 @@ from pyworker.engine import Engine
 from pyworker.errors import (
     AlreadyExists,
     EngineFailure,
+    FailedPrecondition,
     InvalidArgument,
     Overloaded,
     Unavailable,
@@ -32,6 +33,7 @@ from pyworker.errors import (
 )
 from pyworker.load import InFlight, TokenRate
 from pyworker.request import ParsedGenerate, log_ids, parse_generate
+from pyworker.resume_grammar import CannotResume, ResumeGrammars
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +79,7 @@ class Generations:
         self._background: set[asyncio.Task[None]] = set()
         self.adapters = Adapters(engine.info.lora)
         self._unloads: set[asyncio.Task[tuple[int, int]]] = set()
+        self._resume: ResumeGrammars | None = None  # built at the first constrained resume
 
     @property
     def engine(self) -> Engine:
@@ -177,6 +180,23 @@ class Generations:
         )
         await sink.final(final)
 
+    async def check_resume(self, parsed: ParsedGenerate) -> None:
+        """For a resumed constrained request: compile its constraint and advance it past
+        the output so far, as the engine will, off the event loop. FAILED_PRECONDITION
+        naming why when it cannot continue from there (never an unconstrained output)."""
+        spec = parsed.resume_spec
+        if spec is None:
+            return
+        if self._resume is None:
+            self._resume = ResumeGrammars(self._engine.llm.vllm_config)
+        try:
+            await asyncio.to_thread(self._resume.primed, spec)
+        except CannotResume as exc:
+            raise FailedPrecondition(
+                f"resume_token_ids: the constraint cannot continue after these "
+                f"{len(spec.output)} tokens: {exc}"
+            ) from exc
+
     def release(self, state: InFlight) -> None:
         """Forget an admitted request (idempotent); also for one whose `serve` never ran
         (a start cancelled before its task began)."""
@@ -203,8 +223,9 @@ class Generations:
         cached_tokens = 0
         last_token: int | None = None
         first_token_at: float | None = None
+        await self.check_resume(parsed)
         outputs: AsyncIterator[Any] = llm.generate(
-            self._engine.make_prompt(parsed.prompt_token_ids),
+            self._engine.make_prompt(parsed.engine_prompt),
             parsed.sampling_params,
             state.request_id,
             priority=parsed.priority,
@@ -250,7 +271,9 @@ class Generations:
                         final = self.final_for(parsed, state, completion, last_token)
                         final.usage.prompt_tokens = len(parsed.prompt_token_ids)
                         final.usage.completion_tokens = completion_tokens
-                        final.usage.cached_prompt_tokens = cached_tokens
+                        final.usage.cached_prompt_tokens = min(
+                            cached_tokens, len(parsed.prompt_token_ids)
+                        )
                         final.queue_ms = queue_ms(getattr(out, "metrics", None))
                         if first_token_at is not None:
                             final.time_to_first_token_ms = (first_token_at - arrived) * 1000.0
@@ -531,6 +554,8 @@ def refusal(exc: BaseException, unnamed_field: str | None = None) -> WorkerError
     """What the caller hears of an engine error before the request's first token: its
     own fault naming the field (`unnamed_field` where vLLM names none), a full engine, or
     an engine failure."""
+    if isinstance(exc, WorkerError):  # already said (a check of the worker's own)
+        return exc
     kind = classify(exc)
     message = describe(exc)
     if kind is InvalidArgument:

@@ -114,9 +114,10 @@ class StreamedRequest:
             when = loop.time() + (self._deadline - time.monotonic())
             self._timer = loop.call_at(when, self._expire)
         try:
+            await self._generations.check_resume(self._parsed)
             collector = await engine.llm.add_request(
                 self._state.request_id,
-                engine.make_prompt(self._parsed.prompt_token_ids),
+                engine.make_prompt(self._parsed.engine_prompt),
                 self._parsed.sampling_params,
                 priority=self._parsed.priority,
                 trace_headers=engine.trace_headers(self._parsed.trace_headers),
@@ -211,7 +212,7 @@ class StreamedRequest:
             final = self._generations.final_for(self._parsed, state, completion, self._last_token)
             final.usage.prompt_tokens = len(self._parsed.prompt_token_ids)
             final.usage.completion_tokens = state.completion_tokens
-            final.usage.cached_prompt_tokens = self._cached
+            final.usage.cached_prompt_tokens = min(self._cached, len(self._parsed.prompt_token_ids))
             final.queue_ms = queue_ms(getattr(out, "metrics", None))
             if self._first_token_at is not None:
                 final.time_to_first_token_ms = (self._first_token_at - self._arrived) * 1000.0

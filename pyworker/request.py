@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pyworker.engine import EngineInfo
-from pyworker.errors import FieldViolation, InvalidArgument
+from pyworker.errors import FailedPrecondition, FieldViolation, InvalidArgument
+from pyworker.resume_grammar import ResumeSpec
 from switchyard_common.deadlines import budget
 
 _MAX_TEMPERATURE = 2.0  # vLLM rejects anything hotter
@@ -44,6 +46,18 @@ class ParsedGenerate:
     adapter: str = ""  # the LoRA adapter's name ("" for the base model)
     lora_request: Any = None  # its vllm LoRARequest, once admitted
     beam_width: int = 1  # beam search (pyworker/beams.py) when > 1
+    # A resumed request: the tokens its output already has (from a worker that failed).
+    # The engine continues after the prompt and these; usage counts neither as new.
+    resume_token_ids: tuple[int, ...] = ()
+    # A resumed constrained request: its grammar, to advance past those tokens.
+    resume_spec: ResumeSpec | None = None
+
+    @property
+    def engine_prompt(self) -> list[int]:
+        """What the engine is given: the prompt, then the output so far when resumed."""
+        if not self.resume_token_ids:
+            return self.prompt_token_ids
+        return [*self.prompt_token_ids, *self.resume_token_ids]
 
     @property
     def trace_id(self) -> str | None:
@@ -78,8 +92,10 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
     """
     violations: list[FieldViolation] = []
     prompt = list(request.prompt_token_ids)
+    resume = [int(t) for t in request.resume_token_ids]
     _check_prompt(prompt, info, violations)
-    _check_stopping(request, len(prompt), info, violations)
+    _check_resume(resume, len(prompt), info, violations)
+    _check_stopping(request, len(prompt) + len(resume), info, violations)
     logprobs: int | None = None
     if request.HasField("logprobs"):
         logprobs = int(request.logprobs)
@@ -109,6 +125,16 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
                     f"(it takes: {', '.join(info.structured_output) or 'none'})",
                 )
             )
+        elif resume:
+            constraint_field = f"constraint.{kind}"
+            if kind not in info.resumable_constraints:
+                raise FailedPrecondition(
+                    f"resume_token_ids: this engine cannot continue a {kind} constraint "
+                    "after another worker's tokens (it resumes: "
+                    f"{', '.join(info.resumable_constraints) or 'none'})"
+                )
+            spec = ResumeSpec(structured_output_fields(request.constraint, kind), tuple(resume))
+            sampling_kwargs["extra_args"] = spec.to_extra_args()
         else:
             constraint_field = f"constraint.{kind}"
             sampling_kwargs.update(structured_output_kwargs(request.constraint, kind))
@@ -149,6 +175,8 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
         prompt_logprobs=prompt_logprobs,
         adapter=str(request.adapter),
         beam_width=beam_width,
+        resume_token_ids=tuple(resume),
+        resume_spec=ResumeSpec.of(params),
     )
 
 
@@ -176,8 +204,21 @@ def _check_beam(request: Any, width: int, info: EngineInfo, out: list[FieldViola
         *(["logprobs"] if request.HasField("logprobs") else []),
         *(["prompt_logprobs"] if request.HasField("prompt_logprobs") else []),
         *(["constraint"] if request.HasField("constraint") else []),
+        *(["resume_token_ids"] if request.resume_token_ids else []),
     ]
     out.extend(FieldViolation(name, "not with beam search (beam_width > 1)") for name in asked)
+
+
+def structured_output_fields(constraint: Any, kind: str) -> dict[str, Any]:
+    """An OutputConstraint as the one field of vLLM's structured-output params it sets."""
+    value: Any
+    if kind == "choice":
+        value = list(constraint.choice.values)
+    elif kind == "json_object":
+        value = True
+    else:
+        value = str(getattr(constraint, kind))
+    return {"json" if kind == "json_schema" else kind: value}
 
 
 def structured_output_kwargs(constraint: Any, kind: str) -> dict[str, Any]:
@@ -186,39 +227,53 @@ def structured_output_kwargs(constraint: Any, kind: str) -> dict[str, Any]:
     GuidedDecodingParams before that. The fields have the same names in both."""
     from vllm import sampling_params as sp
 
-    value: Any
-    if kind == "choice":
-        value = list(constraint.choice.values)
-    elif kind == "json_object":
-        value = True
-    else:
-        value = str(getattr(constraint, kind))
-    fields: dict[str, Any] = {"json" if kind == "json_schema" else kind: value}
+    fields = structured_output_fields(constraint, kind)
     params_cls = getattr(sp, "StructuredOutputsParams", None)
     if params_cls is not None:
         return {"structured_outputs": params_cls(**fields)}
     return {"guided_decoding": sp.GuidedDecodingParams(**fields)}
 
 
+def _check_vocabulary(
+    ids: Sequence[int], field: str, info: EngineInfo, out: list[FieldViolation]
+) -> None:
+    """The first id in `ids` outside the vocabulary, named as field[index]."""
+    for index, token in enumerate(ids):
+        if token >= info.vocab_size:
+            out.append(
+                FieldViolation(
+                    f"{field}[{index}]",
+                    f"token id {token} is outside the vocabulary (size {info.vocab_size})",
+                )
+            )
+            return
+
+
 def _check_prompt(prompt: list[int], info: EngineInfo, out: list[FieldViolation]) -> None:
     if not prompt:
         out.append(FieldViolation("prompt_token_ids", "must not be empty"))
         return
-    for index, token in enumerate(prompt):
-        if token >= info.vocab_size:
-            out.append(
-                FieldViolation(
-                    f"prompt_token_ids[{index}]",
-                    f"token id {token} is outside the vocabulary (size {info.vocab_size})",
-                )
-            )
-            break
+    _check_vocabulary(prompt, "prompt_token_ids", info, out)
     if len(prompt) >= info.max_context:
         out.append(
             FieldViolation(
                 "prompt_token_ids",
                 f"prompt of {len(prompt)} tokens leaves no room to generate within the "
                 f"model's context of {info.max_context} tokens",
+            )
+        )
+
+
+def _check_resume(
+    resume: list[int], prompt_len: int, info: EngineInfo, out: list[FieldViolation]
+) -> None:
+    _check_vocabulary(resume, "resume_token_ids", info, out)
+    if resume and 0 < prompt_len < info.max_context <= prompt_len + len(resume):
+        out.append(
+            FieldViolation(
+                "resume_token_ids",
+                f"the prompt ({prompt_len}) and the {len(resume)} tokens so far leave no "
+                f"room to generate within the model's context of {info.max_context} tokens",
             )
         )
 
@@ -244,15 +299,7 @@ def _check_stopping(
                 "min_tokens", f"must not exceed max_tokens ({max_tokens}), got {min_tokens}"
             )
         )
-    for index, token in enumerate(request.stop_token_ids):
-        if token >= info.vocab_size:
-            out.append(
-                FieldViolation(
-                    f"stop_token_ids[{index}]",
-                    f"token id {token} is outside the vocabulary (size {info.vocab_size})",
-                )
-            )
-            break
+    _check_vocabulary(request.stop_token_ids, "stop_token_ids", info, out)
 
 
 def _sampling_kwargs(sampling: Any, out: list[FieldViolation]) -> dict[str, Any]:

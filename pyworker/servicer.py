@@ -106,6 +106,8 @@ class WorkerServicer:
                 max_lora_rank=info.lora.max_lora_rank,
                 beam_search=info.max_beam_width > 0,
                 max_beam_width=info.max_beam_width,
+                resume_tokens=True,
+                resumable_constraints=info.resumable_constraints,
             ),
             adapters=[_adapter_info(a) for a in self.generations.adapters.all()],
             kv_events=self.kv_events is not None,

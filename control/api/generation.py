@@ -25,7 +25,7 @@ from control.api.status import abort_rpc, status_code
 from control.errors import Internal, InvalidArgument, SwitchyardError
 from control.fleet.models import ModelEntry, ModelRegistry
 from control.metrics import request_ended
-from control.request.generation import encode_prompt
+from control.request.prompts import encode_prompt
 from control.request.samples import Collected, run_samples
 from control.text.params import MAX_PROMPT_CHARS, MAX_SAMPLES, parse_request
 from control.tracing import Span, SpanKind, extract, trace_id_of, tracer, with_span

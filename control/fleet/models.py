@@ -81,14 +81,21 @@ class ModelEntry:
         return [w for w in self.workers if w.healthy]
 
     def pick_worker(
-        self, request: RouteRequest, exclude: Collection[WorkerClient] = (), adapter: str = ""
+        self,
+        request: RouteRequest,
+        exclude: Collection[WorkerClient] = (),
+        adapter: str = "",
+        only: Callable[[WorkerClient], bool] | None = None,
     ) -> WorkerClient:
-        """Health and circuit filtering (and, for an adapter, the workers that hold it)
-        first, then the model's policy."""
+        """Health and circuit filtering (and, for an adapter, the workers that hold it;
+        with `only`, the workers it accepts) first, then the model's policy."""
         candidates = [
             w
             for w in self.workers
-            if w.healthy and w not in exclude and (not adapter or adapter in w.adapters)
+            if w.healthy
+            and w not in exclude
+            and (not adapter or adapter in w.adapters)
+            and (only is None or only(w))
         ]
         if not candidates:
             tried = f", {len(exclude)} already failed this request" if exclude else ""

@@ -14,7 +14,6 @@ with UNAVAILABLE and a message, never a hang.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -32,6 +31,7 @@ from control.errors import (
     FieldViolation,
     InvalidArgument,
     NoHealthyWorker,
+    NotResumable,
     Overloaded,
     SwitchyardError,
     WorkerFailed,
@@ -40,10 +40,17 @@ from control.fleet.models import ModelEntry
 from control.request.beams import beam_responses
 from control.request.capabilities import check_adapter, check_capabilities
 from control.request.failover import DEFAULT_POLICY, Next
+from control.request.prompts import prompt_ids_of
+from control.request.resume import (
+    can_resume,
+    not_resumable_anywhere,
+    refused_resume,
+    resume_request,
+    said,
+)
 from control.routing import RouteRequest
 from control.text.params import GenerationParams
 from control.text.stops import StopMatcher
-from control.text.tokenizer import Tokenizer
 from control.tracing import Context, SpanKind, headers_of, tracer
 from control.workers.call import FailureKind, WorkerCallFailed
 from control.workers.client import WorkerClient
@@ -63,8 +70,6 @@ _REASON_LABELS = {
     for v in common_pb2.DESCRIPTOR.enum_types_by_name["FinishReason"].values
 }
 PROMPT_CONTEXT_TOKENS = 5
-# Prompts longer than this are tokenized in a thread, off the event loop.
-TOKENIZE_INLINE_MAX_CHARS = 4096
 _SAMPLING_FIELDS = (
     "temperature",
     "top_p",
@@ -121,40 +126,6 @@ def _remaining(deadline: float | None) -> float | None:
     if deadline is None:
         return None
     return budget(deadline - time.monotonic())
-
-
-async def encode_prompt(
-    tokenizer: Tokenizer, text: str, add_special_tokens: bool = True
-) -> list[int]:
-    """Token ids of `text`; a long prompt is tokenized in a thread so that the event loop
-    keeps serving every other stream meanwhile."""
-    if len(text) <= TOKENIZE_INLINE_MAX_CHARS:
-        return tokenizer.encode(text, add_special_tokens)
-    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
-
-
-async def encode_chat(entry: ModelEntry, messages: Sequence[tuple[str, str]]) -> list[int]:
-    """A conversation's prompt ids: rendered with the model's chat template (the template
-    writes the special tokens it wants, so the tokenizer adds none)."""
-    tokenizer = entry.tokenizer
-
-    def render_and_encode() -> list[int]:
-        text = tokenizer.render_chat(messages, entry.spec.chat_template, entry.name)
-        return tokenizer.encode(text, False)
-
-    if sum(len(content) for _, content in messages) <= TOKENIZE_INLINE_MAX_CHARS:
-        return render_and_encode()
-    return await asyncio.to_thread(render_and_encode)
-
-
-async def prompt_ids_of(entry: ModelEntry, params: GenerationParams) -> list[int]:
-    """The request's prompt as token ids: given, rendered from a conversation, or encoded."""
-    if params.prompt_ids is not None:
-        return list(params.prompt_ids)
-    if params.messages is not None:
-        return await encode_chat(entry, params.messages)
-    assert params.prompt_text is not None
-    return await encode_prompt(entry.tokenizer, params.prompt_text)
 
 
 async def run_generation(
@@ -290,6 +261,7 @@ class _Run:
         self.worker_queue_ms = 0.0
         self.uncounted = 0  # generated tokens not yet given to the counter
         self.prompt_logprobs_sent = False
+        self.interrupted_by: WorkerCallFailed | None = None  # the failure a resume follows
         self.detok = entry.tokenizer.detokenizer(
             prompt_ids[-PROMPT_CONTEXT_TOKENS:], params.skip_special_tokens
         )
@@ -318,15 +290,23 @@ class _Run:
                 context=self.trace,
                 attributes={"switchyard.policy": self.entry.policy.name},
             )
+            # A constrained stream resumes only where its constraint goes on holding.
+            constrained = bool(self.generated) and self.params.constraint is not None
+            only = self._can_resume if constrained else None
             try:
-                worker = self.entry.pick_worker(route, tried, self.params.adapter)
+                worker = self.entry.pick_worker(route, tried, self.params.adapter, only)
                 span.set_attribute("switchyard.worker", worker.address)
             except NoHealthyWorker as e:
                 span.set_attribute("switchyard.outcome", "no_healthy_worker")
                 if self.generated:
-                    raise NoHealthyWorker(
-                        f"{e}; the stream stopped after {len(self.generated)} tokens"
-                    ) from e
+                    n = len(self.generated)
+                    if constrained and any(
+                        w.healthy and w not in tried for w in self.entry.workers
+                    ):
+                        raise not_resumable_anywhere(
+                            self.entry.name, self.params, n, last_failure
+                        ) from e
+                    raise NotResumable(n, said(last_failure), f"{e}") from e
                 # Nobody left to try: the client hears what went wrong, not just that.
                 if last_failure is not None and last_failure.kind is FailureKind.OVERLOADED:
                     raise Overloaded(
@@ -340,6 +320,8 @@ class _Run:
                 span.end()
             structlog.contextvars.bind_contextvars(worker=worker.address)
             self.final.worker = worker.address
+            if self.generated:
+                self.final.resumed_after_tokens.append(len(self.generated))
             failed: WorkerCallFailed | None = None
             async with contextlib.aclosing(self._attempt(worker, remaining_tokens)) as attempt:
                 async for msg in attempt:
@@ -360,6 +342,9 @@ class _Run:
         self.final.usage.completion_tokens = len(self.generated)
         if self.final.stop_string:
             self.final.finish_reason = FinishReason.FINISH_REASON_STOP
+
+    def _can_resume(self, worker: WorkerClient) -> bool:
+        return can_resume(worker, self.params)
 
     def generated_total(self) -> int:
         """Tokens generated for the caller: the stream's, or every beam's."""
@@ -398,10 +383,11 @@ class _Run:
         p = self.params
         context = self.prompt_ids + self.generated
         wreq = build_worker_request(
-            p, context, remaining_tokens, max(0, p.min_tokens - len(self.generated))
+            p, self.prompt_ids, remaining_tokens, max(0, p.min_tokens - len(self.generated))
         )
-        if self.prompt_logprobs_sent:  # a resumed attempt: the caller has them already
-            wreq.ClearField("prompt_logprobs")
+        resumed = bool(self.generated)
+        if resumed:  # continue after the tokens so far (control.request.resume)
+            resume_request(wreq, worker, self.prompt_ids, self.generated, p)
         self.attempts += 1
         timeout = _remaining(self.deadline)
         if timeout is not None and timeout <= 0:
@@ -469,6 +455,12 @@ class _Run:
         except WorkerCallFailed as failure:
             self._count_tokens()
             span.set_status(StatusCode.ERROR, f"{failure.kind.value}: {failure.message}")
+            if (
+                resumed
+                and failure.kind is FailureKind.REJECTED
+                and len(self.generated) == generated_before
+            ):  # it would not continue this stream: nowhere else will either
+                raise refused_resume(len(self.generated), failure, self.interrupted_by) from failure
             step = self.failover.next_step(failure, self.engine_errors)
             if step is Next.TIME_LIMIT:
                 self.final.finish_reason = FinishReason.FINISH_REASON_TIME_LIMIT
@@ -483,6 +475,8 @@ class _Run:
                 return
             if failure.kind is FailureKind.ENGINE:
                 self.engine_errors += 1
+            if self.generated:
+                self.interrupted_by = failure
             span.add_event("failover", {"switchyard.kind": failure.kind.value})
             metrics.failover(failure.kind.value, resumed=bool(self.generated))
             if failure.kind is FailureKind.EJECTED:  # the hung worker's request is aborted

@@ -21,7 +21,8 @@ from switchyard.v1 import common_pb2, generation_pb2
 
 from control.fleet.models import ModelEntry
 from control.request.capabilities import check_adapter, check_capabilities
-from control.request.generation import TokenBudget, prompt_ids_of, run_generation
+from control.request.generation import TokenBudget, run_generation
+from control.request.prompts import prompt_ids_of
 from control.text.params import GenerationParams
 
 _Item = tuple[int, generation_pb2.GenerateResponse | BaseException | None]

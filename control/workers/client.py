@@ -73,6 +73,8 @@ class Capabilities:
     max_loras: int = 0
     max_lora_rank: int = 0
     max_beam_width: int = 0
+    resume_tokens: bool = False  # takes resume_token_ids apart from the prompt
+    resumable_constraints: frozenset[str] = frozenset()  # kinds it continues mid-output
 
     @classmethod
     def of(cls, msg: Any) -> Capabilities:
@@ -86,6 +88,8 @@ class Capabilities:
             max_loras=msg.max_loras,
             max_lora_rank=msg.max_lora_rank,
             max_beam_width=msg.max_beam_width if msg.beam_search else 0,
+            resume_tokens=msg.resume_tokens,
+            resumable_constraints=frozenset(msg.resumable_constraints),
         )
 
     def to_proto(self) -> common_pb2.Capabilities:
@@ -99,6 +103,8 @@ class Capabilities:
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
             max_beam_width=self.max_beam_width,
+            resume_tokens=self.resume_tokens,
+            resumable_constraints=sorted(self.resumable_constraints),
         )
 
 

@@ -57,6 +57,9 @@ struct GenRequest {
   // Beam search with this many beams when > 1 (engines whose info says max_beam_width);
   // then the request is not streamed and its final response carries `beams`.
   std::int32_t beam_width = 1;
+  // A resumed request: the last `resumed_tokens` of `prompt` are output that another
+  // worker generated before it failed. Usage counts them neither as prompt nor as new.
+  std::int32_t resumed_tokens = 0;
 };
 
 enum class FinishReason : std::uint8_t {

@@ -59,6 +59,7 @@ const char* kUsage =
     "  [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]]\n"
     "  sim (a simulator, not an engine): [--sim-vocab-size 32000] [--sim-max-context 4096]\n"
     "    [--sim-eos-id 2] [--sim-eos-every 0] [--sim-eos-convention vllm|trtllm]\n"
+    "    [--sim-structured-output json_schema,regex,...] (declared, not followed: tests)\n"
     "    [--sim-tokens-per-block 32] [--sim-kv-blocks 4096] [--sim-max-batch 256]\n"
     "    [--sim-prefill-us-per-token 20] [--sim-decode-step-us 2000]\n"
     "    [--sim-decode-us-per-request 20] [--sim-time-scale 1]\n"
@@ -173,6 +174,13 @@ std::unique_ptr<Executor> make_executor(const Args& a) {
     c.time_scale = a.num("sim-time-scale", c.time_scale);
     c.max_loras = static_cast<int>(a.num("sim-max-loras", c.max_loras));
     c.max_lora_rank = static_cast<int>(a.num("sim-max-lora-rank", c.max_lora_rank));
+    // Declared, not followed: the simulator's tokens ignore a constraint (tests only).
+    std::string kinds = a.get("sim-structured-output", "");
+    for (std::size_t at = 0; !kinds.empty() && at <= kinds.size();) {
+      const auto comma = std::min(kinds.find(',', at), kinds.size());
+      if (comma > at) c.structured_output.push_back(kinds.substr(at, comma - at));
+      at = comma + 1;
+    }
     return std::make_unique<switchyard::rt::SimExecutor>(c);
   }
   if (engine == "trtllm") {

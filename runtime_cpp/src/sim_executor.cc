@@ -178,6 +178,7 @@ EngineInfo SimExecutor::info() const {
   i.max_loras = std::max(0, config_.max_loras);
   i.max_lora_rank = i.lora ? config_.max_lora_rank : 0;
   i.max_adapters = i.max_loras;
+  i.structured_output = config_.structured_output;
   return i;
 }
 
@@ -278,8 +279,8 @@ void SimExecutor::finish_locked(Live& live, FinishReason reason, std::vector<Gen
   r.is_final = true;
   r.finish = reason;
   r.error = std::move(error);
-  r.prompt_tokens = static_cast<std::int32_t>(live.req.prompt.size());
-  r.cached_prompt_tokens = live.cached;
+  r.prompt_tokens = static_cast<std::int32_t>(live.req.prompt.size()) - live.req.resumed_tokens;
+  r.cached_prompt_tokens = std::min(live.cached, r.prompt_tokens);
   r.queue_ms = live.queue_ms;
   out.push_back(std::move(r));
 }
@@ -477,8 +478,8 @@ double SimExecutor::run_iteration_locked(std::vector<GenResponse>& out,
     if (why != FinishReason::kNotFinished) {
       r.is_final = true;
       r.finish = why;
-      r.prompt_tokens = static_cast<std::int32_t>(rq.prompt.size());
-      r.cached_prompt_tokens = l.cached;
+      r.prompt_tokens = static_cast<std::int32_t>(rq.prompt.size()) - rq.resumed_tokens;
+      r.cached_prompt_tokens = std::min(l.cached, r.prompt_tokens);
       r.queue_ms = l.queue_ms;
       free_blocks_ += l.blocks;
       out.push_back(std::move(r));

@@ -55,6 +55,10 @@ struct SimConfig {
   // gets a token stream of its own.
   std::int32_t max_loras = 8;
   std::int32_t max_lora_rank = 64;
+  // Constraint kinds it declares and takes (json_schema, regex, ...), for tests of what
+  // the control plane and worker do around guided decoding. A simulator cannot follow a
+  // constraint: its tokens are the same hashes with one as without.
+  std::vector<std::string> structured_output;
 };
 
 class SimExecutor final : public Executor {

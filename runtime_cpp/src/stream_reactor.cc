@@ -184,7 +184,10 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
     GenRequest gen;
     FieldError bad;
     if (!to_gen_request(request, info_, deadline_ms, &gen, &bad)) {
-      return refuse(attempt, grpc::StatusCode::INVALID_ARGUMENT, bad);
+      return refuse(attempt,
+                    bad.unsupported ? grpc::StatusCode::FAILED_PRECONDITION
+                                    : grpc::StatusCode::INVALID_ARGUMENT,
+                    bad);
     }
     const std::string& adapter = request.adapter();
     if (!adapter.empty()) {

@@ -102,6 +102,7 @@ bool to_beam_search(const wv1::GenerateRequest& in, const EngineInfo& info, GenR
   if (in.min_tokens() > 0) return bad(error, "min_tokens", why);
   if (in.has_logprobs()) return bad(error, "logprobs", why);
   if (in.has_constraint()) return bad(error, "constraint", why);
+  if (in.resume_token_ids_size() > 0) return bad(error, "resume_token_ids", why);
   out->beam_width = static_cast<std::int32_t>(width);
   out->streaming = false;       // the beams change until the search ends
   out->return_logprobs = true;  // for each beam's cumulative log probability
@@ -109,21 +110,34 @@ bool to_beam_search(const wv1::GenerateRequest& in, const EngineInfo& info, GenR
   return true;
 }
 
+// Appends `ids` to `out`, or names the first outside the vocabulary as field[index].
+bool append_ids(const google::protobuf::RepeatedField<std::uint32_t>& ids, const char* field,
+                const EngineInfo& info, Tokens* out, FieldError* error) {
+  for (int i = 0; i < ids.size(); ++i) {
+    const auto t = ids.Get(i);
+    if (t >= static_cast<std::uint32_t>(info.vocab_size)) {
+      return bad(error, std::string(field) + "[" + std::to_string(i) + "]",
+                 "token id " + std::to_string(t) + " is outside the vocabulary (size " +
+                     std::to_string(info.vocab_size) + ")");
+    }
+    out->push_back(static_cast<TokenId>(t));
+  }
+  return true;
+}
+
 }  // namespace
 
 bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, double deadline_ms,
                     GenRequest* out, FieldError* error) {
-  const auto n = in.prompt_token_ids_size();
-  if (n == 0) return bad(error, "prompt_token_ids", "must not be empty");
-  out->prompt.assign(in.prompt_token_ids().begin(), in.prompt_token_ids().end());
-  for (int i = 0; i < n; ++i) {
-    auto t = in.prompt_token_ids(i);
-    if (t >= static_cast<std::uint32_t>(info.vocab_size)) {
-      return bad(error, "prompt_token_ids[" + std::to_string(i) + "]",
-                 "token id " + std::to_string(t) + " is outside the vocabulary (size " +
-                     std::to_string(info.vocab_size) + ")");
-    }
+  if (in.prompt_token_ids_size() == 0) return bad(error, "prompt_token_ids", "must not be empty");
+  // The prompt, then (a resumed request) the output so far: the engine continues after both.
+  out->prompt.clear();
+  if (!append_ids(in.prompt_token_ids(), "prompt_token_ids", info, &out->prompt, error) ||
+      !append_ids(in.resume_token_ids(), "resume_token_ids", info, &out->prompt, error)) {
+    return false;
   }
+  out->resumed_tokens = in.resume_token_ids_size();
+  const auto n = static_cast<int>(out->prompt.size());
   if (n >= info.max_context) {
     return bad(error, "prompt_token_ids",
                "the prompt has " + std::to_string(n) + " tokens; the context is " +
@@ -214,6 +228,14 @@ bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, doub
                "this worker does not return the prompt's log probabilities");
   }
   out->priority = in.priority();
+  if (in.has_constraint() && in.resume_token_ids_size() > 0) {
+    // TensorRT-LLM's guided decoding starts its grammar at the first output token and
+    // cannot be advanced past tokens it did not generate (Capabilities say: none resume).
+    error->unsupported = true;
+    return bad(error, "resume_token_ids",
+               "this engine cannot continue a constrained output after another worker's "
+               "tokens (its guided decoding starts at the first output token)");
+  }
   if (in.has_constraint()) {
     Guide guide;
     if (!to_guide(in.constraint(), info, &guide, error)) return false;

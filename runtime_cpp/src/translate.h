@@ -16,6 +16,8 @@ namespace v1 = ::switchyard::v1;
 struct FieldError {
   std::string field;
   std::string message;
+  // Not a bad value but something this engine cannot do (FAILED_PRECONDITION).
+  bool unsupported = false;
 };
 
 // Builds the executor request; on bad input returns false and fills `error` naming the

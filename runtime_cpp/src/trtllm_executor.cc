@@ -248,7 +248,7 @@ RequestId TrtllmExecutor::enqueue(const GenRequest& r) {
   }
   if (r.adapter) loras_->sent(*r.adapter);  // enqueued with its weights (or after them)
   std::lock_guard<std::mutex> lock(prompt_mu_);
-  prompt_tokens_[id] = static_cast<std::int32_t>(r.prompt.size());
+  prompt_tokens_[id] = static_cast<std::int32_t>(r.prompt.size()) - r.resumed_tokens;
   if (r.beam_width > 1) beam_searches_[id] = BeamSearch{r.max_tokens, r.end_id.has_value()};
   return id;
 }

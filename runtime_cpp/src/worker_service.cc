@@ -49,7 +49,9 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
     GenRequest gen;
     FieldError err;
     if (!to_gen_request(req, info, deadline_ms, &gen, &err)) {
-      finish_now(invalid_argument(err.field, err.message));
+      finish_now(err.unsupported
+                     ? field_status(grpc::StatusCode::FAILED_PRECONDITION, err.field, err.message)
+                     : invalid_argument(err.field, err.message));
       return;
     }
     name_ = req.request_id();
@@ -383,6 +385,8 @@ grpc::ServerUnaryReactor* WorkerService::GetInfo(grpc::CallbackServerContext* co
   caps->set_max_logprobs(0);
   caps->set_max_n(1);
   for (const auto& kind : info_.structured_output) caps->add_structured_output(kind);
+  // It takes resume_token_ids; no constraint kind resumes (see translate.cc).
+  caps->set_resume_tokens(true);
   caps->set_lora(info_.lora);
   caps->set_max_loras(static_cast<std::uint32_t>(info_.max_loras));
   caps->set_max_lora_rank(static_cast<std::uint32_t>(info_.max_lora_rank));

@@ -364,5 +364,50 @@ TEST(Translate, ABeamSearchsFinalCarriesEveryBeamWithTheEosPutBack) {
   EXPECT_EQ(final.stop_reason_case(), wv1::Final::STOP_REASON_NOT_SET);  // per beam only
 }
 
+TEST(Translate, AResumedRequestContinuesAfterTheTokensSoFar) {
+  auto in = valid();
+  for (int t : {11, 12}) in.add_resume_token_ids(t);
+  GenRequest out;
+  FieldError err;
+  ASSERT_TRUE(to_gen_request(in, info(), -1, &out, &err)) << err.field << ": " << err.message;
+  EXPECT_EQ(out.prompt, (Tokens{1, 5, 7, 11, 12}));  // the engine continues after them
+  EXPECT_EQ(out.resumed_tokens, 2);                  // usage counts them nowhere
+  EXPECT_EQ(out.max_tokens, 10);
+
+  in.add_resume_token_ids(77);  // outside the vocabulary of 50
+  EXPECT_FALSE(to_gen_request(in, info(), -1, &out, &err));
+  EXPECT_EQ(err.field, "resume_token_ids[2]");
+  EXPECT_FALSE(err.unsupported);
+
+  // The prompt and the tokens so far leave no room for max_tokens.
+  auto full = valid();
+  for (int i = 0; i < 90; ++i) full.add_resume_token_ids(4);
+  EXPECT_FALSE(to_gen_request(full, info(), -1, &out, &err));
+  EXPECT_EQ(err.field, "max_tokens");
+}
+
+TEST(Translate, AConstrainedResumeIsRefusedAsUnsupported) {
+  // Guided decoding starts its grammar at the first output token: continuing another
+  // worker's constrained output would break the constraint, so it is refused.
+  EngineInfo guided = info();
+  guided.structured_output = {"choice", "grammar", "json_object", "json_schema", "regex"};
+  auto in = valid();
+  in.mutable_constraint()->set_regex("[a-z]+");
+  in.add_resume_token_ids(11);
+  GenRequest out;
+  FieldError err;
+  EXPECT_FALSE(to_gen_request(in, guided, -1, &out, &err));
+  EXPECT_EQ(err.field, "resume_token_ids");
+  EXPECT_TRUE(err.unsupported);  // FAILED_PRECONDITION, not INVALID_ARGUMENT
+
+  EngineInfo beams = info();
+  beams.max_beam_width = 4;
+  auto beam = valid();
+  beam.set_beam_width(2);
+  beam.add_resume_token_ids(11);
+  EXPECT_FALSE(to_gen_request(beam, beams, -1, &out, &err));
+  EXPECT_EQ(err.field, "resume_token_ids");
+}
+
 }  // namespace
 }  // namespace switchyard::rt

@@ -62,6 +62,8 @@ class Final:
     total_usage: Usage | None = None  # the last Final of n > 1: all samples, prompt once
     adapter: str = ""  # the LoRA adapter that served it
     cumulative_logprob: float | None = None  # beam search: the beam's total log probability
+    # Mid-stream failover: the token counts at which another worker took the stream over.
+    resumed_after_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +141,7 @@ def final_of(msg: Any) -> Final:
         total_usage=_usage(msg.total_usage) if msg.HasField("total_usage") else None,
         adapter=msg.adapter,
         cumulative_logprob=(msg.cumulative_logprob if msg.HasField("cumulative_logprob") else None),
+        resumed_after_tokens=tuple(msg.resumed_after_tokens),
     )
 
 

