@@ -1,13 +1,16 @@
 """A soak: mixed traffic for a long time through one control plane, on real vLLM workers
 and on C++ simulator workers at once, with random cancels and deadlines, changing
-concurrency, and one worker killed (SIGKILL) every few minutes.
+concurrency, constrained streams (structured output of every kind) among the vLLM
+traffic, and one worker killed (SIGKILL) every few minutes.
 
     python -m bench.soak --minutes 20          # writes docs/soak.md, soak.json, soak-rss.png
 
 It reports the RSS of every process over time, requests started and finished, streams
-that ended without exactly one final or one status (must be zero), and what is still in
-flight at the end, on the control plane and on every worker (must be zero). Loopback
-only; every loop stops by itself at the end of the run.
+that ended without exactly one final or one status (must be zero), constrained outputs
+that break their constraint, resumed after a kill or not (must be zero; each is judged
+by its tokens and its text, bench/constraints.py), and what is still in flight at the
+end, on the control plane and on every worker (must be zero). Loopback only; every loop
+stops by itself at the end of the run.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from typing import Any
 
 import grpc
 import structlog
-from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from switchyard.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
+from bench.constraints import CASES, Case, Checker
 from bench.systems import control_plane, descendants
 from switchyard_common.logs import configure_logging
 from switchyard_common.tinymodel import ensure_tiny_model
@@ -65,14 +69,32 @@ class Tally:
     outcomes: Counter[str] = field(default_factory=Counter)
     bad: list[str] = field(default_factory=list)  # streams that broke the contract
     late: Counter[str] = field(default_factory=Counter)  # final, then the client's deadline
+    constrained: Counter[str] = field(default_factory=Counter)  # judged outputs, by kind
+    resumed_constrained: Counter[str] = field(default_factory=Counter)  # of them, resumed
+    broken: list[str] = field(default_factory=list)  # outputs that break their constraint
 
     def finished(self) -> int:
         return sum(self.outcomes.values())
 
 
-def random_request(rng: random.Random, model: str) -> tuple[Any, float | None, int | None]:
+CONSTRAINED_SHARE = 0.2  # of the vLLM model's requests
+
+
+def random_request(
+    rng: random.Random, model: str
+) -> tuple[Any, float | None, int | None, Case | None]:
     words = rng.choices(WORDS, k=rng.randint(1, 60))
     req = generation_pb2.GenerateRequest(model=model, text=" ".join(words))
+    if model == "tiny" and rng.random() < CONSTRAINED_SHARE:
+        # Structured output, long enough for a kill to land inside; no stop strings (a
+        # stop string would cut the output short of its constraint by the caller's wish).
+        case = rng.choice(CASES)
+        req.constraint.CopyFrom(case.to_proto())
+        req.stopping.max_tokens = 160
+        req.sampling.temperature = 1.0
+        req.sampling.seed = rng.randint(0, 1000)
+        timeout = rng.choice([None, None, None, 5.0])
+        return req, timeout, rng.choice([None, None, None, 5]), case
     req.stopping.max_tokens = rng.choice([1, 4, 16, 32, 64, 128])
     if rng.random() < 0.3:
         req.stopping.stop.extend(rng.sample(WORDS, 2))
@@ -83,22 +105,31 @@ def random_request(rng: random.Random, model: str) -> tuple[Any, float | None, i
     req.stopping.ignore_eos = rng.random() < 0.5
     timeout = rng.choice([None, None, None, 0.05, 0.5, 5.0])
     cancel_after = rng.choice([None, None, None, 0, 1, 5])
-    return req, timeout, cancel_after
+    return req, timeout, cancel_after, None
 
 
-async def one(stub: Any, rng: random.Random, model: str, tally: Tally) -> None:
-    req, timeout, cancel_after = random_request(rng, model)
+async def one(
+    stub: Any, rng: random.Random, model: str, tally: Tally, checker: Checker | None
+) -> None:
+    req, timeout, cancel_after, case = random_request(rng, model)
     tally.started[model] += 1
     call = stub.Generate(req, timeout=timeout if timeout is not None else 120)
     finals = 0
     messages = 0
+    ids: list[int] = []
+    text = ""
+    final: Any = None
     try:
         async for message in call:
             messages += 1
             if message.HasField("final"):
                 finals += 1
+                final = message.final
             elif finals:
                 tally.bad.append(f"{model}: a chunk after the final")
+            else:
+                ids.extend(message.chunk.token_ids)
+                text += message.chunk.text
             if cancel_after is not None and messages > cancel_after and not finals:
                 call.cancel()
                 tally.outcomes["cancelled by the client"] += 1
@@ -119,14 +150,32 @@ async def one(stub: Any, rng: random.Random, model: str, tally: Tally) -> None:
     if finals != 1:
         tally.bad.append(f"{model}: {finals} finals in a stream that ended OK")
     tally.outcomes["OK"] += 1
+    if case is not None and checker is not None and final is not None:
+        judge(case, ids, text, final, tally, checker)
+
+
+def judge(
+    case: Case, ids: list[int], text: str, final: Any, tally: Tally, checker: Checker
+) -> None:
+    """Count a constrained output, and any way it breaks its constraint (a stream cut
+    short by max_tokens or its deadline owes a valid start only)."""
+    stopped = final.finish_reason == common_pb2.FINISH_REASON_STOP
+    tally.constrained[case.kind] += 1
+    if final.resumed_after_tokens:
+        tally.resumed_constrained[case.kind] += 1
+    why = checker.violation(case, text, ids, stopped)
+    if why is not None:
+        tally.broken.append(
+            f"{case.kind} (resumed after {list(final.resumed_after_tokens)}): {why}"
+        )
 
 
 async def client(stub: Any, seed: int, model: str, until: float, slots: asyncio.Semaphore,
-                 tally: Tally) -> None:  # fmt: skip
+                 tally: Tally, checker: Checker | None) -> None:  # fmt: skip
     rng = random.Random(seed)
     while time.monotonic() < until:
         async with slots:
-            await one(stub, rng, model, tally)
+            await one(stub, rng, model, tally, checker)
 
 
 def rss_mb(pid: int) -> float:
@@ -235,6 +284,8 @@ async def soak(args: argparse.Namespace, address: str, pid: int) -> dict[str, An
     models = [m for m, n in (("tiny", args.vllm_replicas), ("sim", args.sim_replicas)) if n]
     levels = {"tiny": [2, 8, 16], "sim": [8, 32, 96]}
     end = time.monotonic() + args.minutes * 60
+    # The vLLM workers run with vLLM's default, whitespace allowed in JSON.
+    checker = Checker(ensure_tiny_model(), any_whitespace=True) if args.vllm_replicas else None
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         admin = admin_pb2_grpc.AdminStub(channel)
@@ -253,7 +304,9 @@ async def soak(args: argparse.Namespace, address: str, pid: int) -> dict[str, An
                 slots = asyncio.Semaphore(conc[m])
                 for i in range(conc[m]):
                     seed = phase * 1000 + i + (0 if m == "tiny" else 500)
-                    tasks.append(asyncio.create_task(client(stub, seed, m, until, slots, tally)))
+                    tasks.append(
+                        asyncio.create_task(client(stub, seed, m, until, slots, tally, checker))
+                    )
             await asyncio.gather(*tasks)
             phase += 1
         await asyncio.gather(*background)
@@ -266,6 +319,9 @@ async def soak(args: argparse.Namespace, address: str, pid: int) -> dict[str, An
         "contract_violations": dict(Counter(tally.bad)),
         "contract_violation_count": len(tally.bad),
         "final_then_client_deadline": dict(tally.late),
+        "constrained_outputs": dict(tally.constrained),
+        "constrained_resumed": dict(tally.resumed_constrained),
+        "constraint_violations": tally.broken,
         "in_flight_at_end": left,
         "kills": kills,
         "phases": phases,
@@ -305,6 +361,9 @@ def write_report(result: dict[str, Any], out_dir: Path) -> None:
     violations = result["contract_violation_count"]
     still = sum(v for v in left.values() if v > 0)
     late = result.get("final_then_client_deadline", {}) or 0
+    constrained = result.get("constrained_outputs", {})
+    resumed = result.get("constrained_resumed", {})
+    broken = result.get("constraint_violations", [])
     text = f"""# Soak
 
 `python -m bench.soak --minutes {result["minutes"]}`: {result["minutes"]} minutes through one
@@ -320,6 +379,8 @@ changing every phase, random cancels (after 0, 1 or 5 messages) and deadlines (5
 | how they ended | {result["outcomes"]} |
 | streams without exactly one final or one status, or INTERNAL/UNKNOWN | **{violations}** |
 | streams whose final came, then the client's own deadline before the OK | {late} |
+| constrained outputs judged, by kind (of them resumed after a kill) | {constrained} ({resumed}) |
+| constrained outputs that break their constraint | **{len(broken)}** |
 | in flight at the end (control plane and workers) | **{still}** ({left}) |
 | workers killed | {len(result["kills"])} |
 
@@ -332,6 +393,8 @@ RSS in MiB, first and last sample (every 5 s; the plot has them all):
 ![RSS over time](soak-rss.png)
 
 Violations, by kind: {result["contract_violations"] or "none"}
+
+Constrained outputs that broke their constraint: {broken or "none"}
 """
     (out_dir / "soak.md").write_text(text)
 
@@ -359,6 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         "soak done",
         finished=result["finished"],
         violations=result["contract_violation_count"],
+        constraint_violations=len(result["constraint_violations"]),
         in_flight_at_end=result["in_flight_at_end"],
         report=str(args.out / "soak.md"),
     )

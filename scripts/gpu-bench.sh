@@ -12,17 +12,14 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
+source "$root/scripts/gpu-env.sh"
 case "${1:-}" in
   copy)
-    mkdir -p /tmp/parts && cp "$2"/part_* /tmp/parts/ && ls -la /tmp/parts ;;
+    gpu_copy_part "$2" ;;
   run)
     shift
-    if [ ! -f /tmp/site/vllm/__init__.py ]; then
-      echo "[gpu-bench] unpacking vLLM ($(du -sh /tmp/parts | cut -f1) of parts)" >&2
-      mkdir -p /tmp/site && cat /tmp/parts/part_* | xz -T0 -d | tar -xf - -C /tmp/site
-    fi
-    export PYTHONPATH="/tmp/site:$root:$root/build/cp311-cp311-linux_x86_64/python"
-    export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 SWITCHYARD_EVENT_LOOP=uvloop
+    gpu_python_env
+    export SWITCHYARD_EVENT_LOOP=uvloop
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     python3 -c 'import vllm, grpc, torch; print("vllm", vllm.__version__, "grpc", grpc.__version__, "torch", torch.__version__, torch.cuda.device_count(), "GPU")'

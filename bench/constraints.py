@@ -4,7 +4,8 @@
   against its schema with `jsonschema`), a regex output matches in full, a choice is one
   of the choices, a grammar output matches the grammar's equivalent regular expression.
 - By the tokens, with xgrammar's own matcher over the model's tokenizer (compiled as vLLM
-  compiles it for these engine settings: no whitespace in JSON): every token is one the
+  compiles it, with or without whitespace in JSON as the engine's setting says): every
+  token is one the
   constraint allows where it stands, and a stream that ended with STOP ended where the
   constraint may end. This also judges outputs that max_tokens cut short, which no text
   check can: a valid prefix is all they owe.
@@ -85,46 +86,63 @@ CASES = (
 class Checker:
     """Judges outputs of the model at `model_dir` (its tokenizer)."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, any_whitespace: bool = False) -> None:
         import xgrammar as xgr
         from transformers import AutoTokenizer
 
         self._xgr = xgr
+        self._any_whitespace = any_whitespace
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self._compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer))
-        self._compiled: dict[str, Any] = {}
+        self._compiled: dict[str, list[Any]] = {}
 
-    def _grammar(self, case: Case) -> Any:
+    def _grammars(self, case: Case) -> list[Any]:
+        """The constraint compiled as vLLM compiles it. Compact JSON comes in two styles:
+        vLLM 0.32 separates with "," and ":", 0.26 (xgrammar's default) with ", " and
+        ": "; an output may follow either."""
         key = f"{case.kind}:{case.value!r}"
         if key not in self._compiled:
             c = self._compiler
-            compact = {"any_whitespace": False, "separators": (",", ":")}
-            if case.kind == "json_schema":
-                g = c.compile_json_schema(json.dumps(case.value), **compact)
-            elif case.kind == "json_object":
-                g = c.compile_json_schema('{"type": "object"}', **compact)
+            if case.kind in ("json_schema", "json_object"):
+                schema = (
+                    json.dumps(case.value) if case.kind == "json_schema" else '{"type": "object"}'
+                )
+                if self._any_whitespace:
+                    styles: list[dict[str, Any]] = [{"any_whitespace": True}]
+                else:
+                    styles = [
+                        {"any_whitespace": False, "separators": (",", ":")},
+                        {"any_whitespace": False},
+                    ]
+                grammars = [c.compile_json_schema(schema, **style) for style in styles]
             elif case.kind == "regex":
-                g = c.compile_regex(case.value)
+                grammars = [c.compile_regex(case.value)]
             elif case.kind == "choice":
-                g = c.compile_regex("|".join(_literal(v) for v in case.value))
+                grammars = [c.compile_regex("|".join(_literal(v) for v in case.value))]
             else:
-                g = c.compile_grammar(case.value)
-            self._compiled[key] = g
+                grammars = [c.compile_grammar(case.value)]
+            self._compiled[key] = grammars
         return self._compiled[key]
 
     def violation(self, case: Case, text: str, token_ids: list[int], stopped: bool) -> str | None:
         """Why the output breaks its constraint; None when it keeps it."""
-        matcher = self._xgr.GrammarMatcher(self._grammar(case))
+        whys = [self._by_tokens(g, text, token_ids, stopped) for g in self._grammars(case)]
+        if all(why is not None for why in whys):
+            return whys[0]
+        return _text_violation(case, text) if stopped else None
+
+    def _by_tokens(
+        self, grammar: Any, text: str, token_ids: list[int], stopped: bool
+    ) -> str | None:
+        matcher = self._xgr.GrammarMatcher(grammar)
         for i, token in enumerate(token_ids):
             if matcher.is_terminated():
                 return f"token {i} ({token}) comes after the constraint was complete"
             if not matcher.accept_token(token):
                 return f"token {i} ({token}) is not allowed there: {text!r}"
-        if not stopped:
-            return None  # cut short by max_tokens: a valid prefix
-        if not matcher.is_terminated():
+        if stopped and not matcher.is_terminated():
             return f"it stopped where the constraint cannot end: {text!r}"
-        return _text_violation(case, text)
+        return None  # a valid whole, or (cut short by max_tokens) a valid start
 
 
 def _literal(text: str) -> str:
