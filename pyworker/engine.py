@@ -21,8 +21,8 @@ from pyworker.cpu_binding import BIND_ENV, bind_cpu_ranks
 from pyworker.engine_args import blame, current_machine, engine_arg_names, resolve
 from pyworker.gpu_memory import GpuMemoryReader
 from pyworker.kv_events import engine_kwargs
+from pyworker.resume_grammar import BACKENDS, resumable, resume_backend
 from pyworker.resume_grammar import PROCESSOR as RESUME_PROCESSOR
-from pyworker.resume_grammar import resumable
 from pyworker.stderr_tail import StderrTail
 
 log = structlog.get_logger(__name__)
@@ -312,7 +312,7 @@ def engine_info(llm: Any, model: str) -> EngineInfo:
         structured_output=_structured_output_kinds(vllm_config),
         lora=LoraLimits.of(getattr(vllm_config, "lora_config", None)),
         max_beam_width=max_beam_width(max_logprobs, not model_config.skip_tokenizer_init),
-        resumable_constraints=_resumable_kinds(model_config),
+        resumable_constraints=_resumable_kinds(vllm_config),
     )
 
 
@@ -332,11 +332,13 @@ def _structured_output_kinds(vllm_config: Any) -> tuple[str, ...]:
     return STRUCTURED_OUTPUT_KINDS
 
 
-def _resumable_kinds(model_config: Any) -> tuple[str, ...]:
-    """Every structured-output kind, where the resume processor is loaded."""
-    if RESUME_PROCESSOR not in (getattr(model_config, "logits_processors", None) or ()):
+def _resumable_kinds(vllm_config: Any) -> tuple[str, ...]:
+    """The structured-output kinds it takes, where the resume processor is loaded and
+    drives the engine's backend."""
+    processors = getattr(vllm_config.model_config, "logits_processors", None) or ()
+    if RESUME_PROCESSOR not in processors or resume_backend(vllm_config) not in BACKENDS:
         return ()
-    return STRUCTURED_OUTPUT_KINDS
+    return _structured_output_kinds(vllm_config)
 
 
 def _eos_token_ids(llm: Any, model_config: Any) -> tuple[int, ...]:

@@ -75,6 +75,12 @@ class FailedPrecondition(WorkerError):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
 
+    @classmethod
+    def field(cls, field: str, description: str) -> FailedPrecondition:
+        err = cls(f"{field}: {description}")
+        err.violations = (FieldViolation(field, description),)
+        return err
+
 
 class EngineFailure(WorkerError):
     """The engine failed while serving a request (or is dead)."""

@@ -22,18 +22,18 @@ from switchyard.worker.v1 import worker_pb2
 from pyworker import beams
 from pyworker.adapters import Adapter, Adapters
 from pyworker.engine import Engine
+from pyworker.engine_errors import describe, refusal
 from pyworker.errors import (
     AlreadyExists,
     EngineFailure,
     FailedPrecondition,
     InvalidArgument,
-    Overloaded,
     Unavailable,
     WorkerError,
 )
 from pyworker.load import InFlight, TokenRate
 from pyworker.request import ParsedGenerate, log_ids, parse_generate
-from pyworker.resume_grammar import CannotResume, ResumeGrammars
+from pyworker.resume_grammar import CannotResume, ResumeGrammars, ResumeGuard
 
 log = structlog.get_logger(__name__)
 
@@ -180,21 +180,23 @@ class Generations:
         )
         await sink.final(final)
 
-    async def check_resume(self, parsed: ParsedGenerate) -> None:
+    async def check_resume(self, parsed: ParsedGenerate) -> ResumeGuard | None:
         """For a resumed constrained request: compile its constraint and advance it past
-        the output so far, as the engine will, off the event loop. FAILED_PRECONDITION
-        naming why when it cannot continue from there (never an unconstrained output)."""
+        the output so far, as the engine will, off the event loop; the guard that checks
+        the engine's tokens against it. FAILED_PRECONDITION naming why when it cannot
+        continue from there (never an unconstrained output)."""
         spec = parsed.resume_spec
         if spec is None:
-            return
+            return None
         if self._resume is None:
             self._resume = ResumeGrammars(self._engine.llm.vllm_config)
+        stops = getattr(parsed.sampling_params, "all_stop_token_ids", None) or ()
         try:
-            await asyncio.to_thread(self._resume.primed, spec)
+            return ResumeGuard(await asyncio.to_thread(self._resume.primed, spec, stops))
         except CannotResume as exc:
-            raise FailedPrecondition(
-                f"resume_token_ids: the constraint cannot continue after these "
-                f"{len(spec.output)} tokens: {exc}"
+            raise FailedPrecondition.field(
+                "resume_token_ids",
+                f"the constraint cannot continue after these {len(spec.output)} tokens: {exc}",
             ) from exc
 
     def release(self, state: InFlight) -> None:
@@ -223,7 +225,6 @@ class Generations:
         cached_tokens = 0
         last_token: int | None = None
         first_token_at: float | None = None
-        await self.check_resume(parsed)
         outputs: AsyncIterator[Any] = llm.generate(
             self._engine.make_prompt(parsed.engine_prompt),
             parsed.sampling_params,
@@ -238,6 +239,7 @@ class Generations:
             loop = asyncio.get_running_loop()
             when = None if deadline is None else loop.time() + (deadline - time.monotonic())
             async with asyncio.timeout_at(when) as budget:
+                guard = await self.check_resume(parsed)  # before the engine sees it
                 async for out in outputs:
                     completion = out.outputs[0]
                     cached_tokens = int(getattr(out, "num_cached_tokens", None) or cached_tokens)
@@ -248,6 +250,8 @@ class Generations:
                             continue
                     else:
                         token_ids = list(completion.token_ids)
+                        if guard is not None:
+                            guard.feed(token_ids)
                         if token_ids:
                             chunk = worker_pb2.Chunk(token_ids=token_ids)
                             if first_token_at is None:
@@ -268,7 +272,7 @@ class Generations:
                     if out.finished:
                         # Built before the request counts as finished, so that a fault
                         # here still ends it with an error rather than with nothing.
-                        final = self.final_for(parsed, state, completion, last_token)
+                        final = self.final_for(parsed, state, completion, last_token, guard)
                         final.usage.prompt_tokens = len(parsed.prompt_token_ids)
                         final.usage.completion_tokens = completion_tokens
                         final.usage.cached_prompt_tokens = min(
@@ -374,13 +378,25 @@ class Generations:
         await sink.final(final)
 
     def final_for(
-        self, parsed: ParsedGenerate, state: InFlight, completion: Any, last_token: int | None
+        self,
+        parsed: ParsedGenerate,
+        state: InFlight,
+        completion: Any,
+        last_token: int | None,
+        guard: ResumeGuard | None = None,
     ) -> Any:
-        """A Final with the finish and stop reasons; the caller fills usage and timing."""
+        """A Final with the finish and stop reasons; the caller fills usage and timing.
+        A resumed constrained output that broke its constraint ends with ERROR."""
         reason = str(completion.finish_reason) if completion.finish_reason is not None else ""
         final = worker_pb2.Final()
         if state.aborted:
             final.finish_reason = common_pb2.FINISH_REASON_CANCELLED
+            return final
+        broken = guard.check_end(reason == "stop") if guard is not None else None
+        if broken is not None:
+            log.error("resumed output broke its constraint", request_id=state.request_id)
+            final.finish_reason = common_pb2.FINISH_REASON_ERROR
+            final.error_message = f"the resumed output broke its constraint: {broken}"
             return final
         final.finish_reason = _FINISH_REASONS.get(reason, common_pb2.FINISH_REASON_STOP)
         if reason == "error":
@@ -548,64 +564,3 @@ def queue_ms(metrics: Any) -> float:
         return float(scheduled - queued) * 1000.0
     in_queue = getattr(metrics, "time_in_queue", None)  # older releases
     return float(in_queue) * 1000.0 if in_queue else 0.0
-
-
-def refusal(exc: BaseException, unnamed_field: str | None = None) -> WorkerError:
-    """What the caller hears of an engine error before the request's first token: its
-    own fault naming the field (`unnamed_field` where vLLM names none), a full engine, or
-    an engine failure."""
-    if isinstance(exc, WorkerError):  # already said (a check of the worker's own)
-        return exc
-    kind = classify(exc)
-    message = describe(exc)
-    if kind is InvalidArgument:
-        field = client_field(exc)
-        if field == "request" and unnamed_field:
-            field = unnamed_field
-        return InvalidArgument.field(field, message)
-    if kind is Overloaded:
-        return Overloaded(f"the engine is full: {message}")
-    return EngineFailure(f"engine error: {message}")
-
-
-def classify(exc: BaseException) -> type[WorkerError] | None:
-    """What vLLM's own error says about the request: the client's fault (its
-    `VLLMClientError` family), a full engine (queue or prefill backlog limits), or
-    nothing (an engine fault). Releases without `vllm.exceptions` say nothing, and a bare
-    ValueError from inside the engine is an engine fault, not the client's."""
-    try:
-        from vllm import exceptions as vllm_errors
-    except ImportError:  # older releases
-        return None
-    client = getattr(vllm_errors, "VLLMClientError", None)
-    full = tuple(
-        cls
-        for name in ("QueueOverflowError", "MaxQueuedTokensError")
-        if isinstance(cls := getattr(vllm_errors, name, None), type)
-    )
-    cause: BaseException | None = exc
-    while cause is not None:
-        if isinstance(client, type) and isinstance(cause, client):
-            return InvalidArgument
-        if full and isinstance(cause, full):
-            return Overloaded
-        cause = cause.__cause__
-    return None
-
-
-def client_field(exc: BaseException) -> str:
-    cause: BaseException | None = exc
-    while cause is not None:
-        parameter = getattr(cause, "parameter", None)
-        if parameter:
-            return str(parameter)
-        cause = cause.__cause__
-    return "request"
-
-
-def describe(exc: BaseException) -> str:
-    cause = exc.__cause__
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    if cause is not None and cause is not exc:
-        text += f" (caused by {describe(cause)})"
-    return text

@@ -24,17 +24,17 @@ import structlog
 from switchyard.v1 import common_pb2
 from switchyard.worker.v1 import worker_pb2
 
+from pyworker.engine_errors import describe, refusal
 from pyworker.errors import EngineFailure, WorkerError
 from pyworker.generation import (
     Generations,
-    describe,
     logprobs,
     prompt_logprobs,
     queue_ms,
-    refusal,
 )
 from pyworker.load import InFlight
 from pyworker.request import ParsedGenerate, log_ids
+from pyworker.resume_grammar import ResumeGuard
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +63,7 @@ class StreamedRequest:
         "_deadline",
         "_first_token_at",
         "_generations",
+        "_guard",
         "_last_token",
         "_over",
         "_parsed",
@@ -90,6 +91,7 @@ class StreamedRequest:
         self._first_token_at: float | None = None
         self._last_token: int | None = None
         self._cached = 0
+        self._guard: ResumeGuard | None = None  # a resumed constrained request's check
         self._over = False  # nothing more goes to the sink
         self._abort_sent = False  # for an Abort RPC that came before the engine knew it
         self._added = False  # add_request() has returned (or failed)
@@ -114,7 +116,7 @@ class StreamedRequest:
             when = loop.time() + (self._deadline - time.monotonic())
             self._timer = loop.call_at(when, self._expire)
         try:
-            await self._generations.check_resume(self._parsed)
+            self._guard = await self._generations.check_resume(self._parsed)
             collector = await engine.llm.add_request(
                 self._state.request_id,
                 engine.make_prompt(self._parsed.engine_prompt),
@@ -196,6 +198,8 @@ class StreamedRequest:
                 return
         else:
             token_ids = list(completion.token_ids)
+            if self._guard is not None:
+                self._guard.feed(token_ids)
             if token_ids:
                 prompt_lps = None
                 if self._first_token_at is None:
@@ -209,7 +213,9 @@ class StreamedRequest:
                 self._last_token = token_ids[-1]
                 self._generations.count_tokens(len(token_ids))
         if out.finished:
-            final = self._generations.final_for(self._parsed, state, completion, self._last_token)
+            final = self._generations.final_for(
+                self._parsed, state, completion, self._last_token, self._guard
+            )
             final.usage.prompt_tokens = len(self._parsed.prompt_token_ids)
             final.usage.completion_tokens = state.completion_tokens
             final.usage.cached_prompt_tokens = min(self._cached, len(self._parsed.prompt_token_ids))

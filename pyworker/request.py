@@ -88,7 +88,8 @@ def _trace_headers(request: Any) -> dict[str, str] | None:
 def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
     """Turn a `switchyard.worker.v1.GenerateRequest` into a `ParsedGenerate`.
 
-    Raises `InvalidArgument` naming every offending field.
+    Raises `InvalidArgument` naming every offending field, and `FailedPrecondition` on
+    `resume_token_ids` for a constrained resume this engine cannot continue.
     """
     violations: list[FieldViolation] = []
     prompt = list(request.prompt_token_ids)
@@ -128,10 +129,10 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
         elif resume:
             constraint_field = f"constraint.{kind}"
             if kind not in info.resumable_constraints:
-                raise FailedPrecondition(
-                    f"resume_token_ids: this engine cannot continue a {kind} constraint "
-                    "after another worker's tokens (it resumes: "
-                    f"{', '.join(info.resumable_constraints) or 'none'})"
+                raise FailedPrecondition.field(
+                    "resume_token_ids",
+                    f"this engine cannot continue a {kind} constraint after another "
+                    f"worker's tokens (it resumes: {_names(info.resumable_constraints)})",
                 )
             spec = ResumeSpec(structured_output_fields(request.constraint, kind), tuple(resume))
             sampling_kwargs["extra_args"] = spec.to_extra_args()
@@ -232,6 +233,10 @@ def structured_output_kwargs(constraint: Any, kind: str) -> dict[str, Any]:
     if params_cls is not None:
         return {"structured_outputs": params_cls(**fields)}
     return {"guided_decoding": sp.GuidedDecodingParams(**fields)}
+
+
+def _names(kinds: Sequence[str]) -> str:
+    return ", ".join(kinds) or "none"
 
 
 def _check_vocabulary(

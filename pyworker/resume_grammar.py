@@ -27,8 +27,9 @@ constrained streams on it.
 
 from __future__ import annotations
 
+import inspect
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +94,8 @@ def resumable(engine_kwargs: Mapping[str, Any]) -> bool:
     return str(backend or "auto") in BACKENDS
 
 
-def _backend_setting(vllm_config: Any) -> str:
+def resume_backend(vllm_config: Any) -> str:
+    """The structured-output backend the engine was configured with (`auto` by default)."""
     config = getattr(vllm_config, "structured_outputs_config", None)
     return str(getattr(config, "backend", "auto") or "auto")
 
@@ -108,9 +110,18 @@ class ResumeGrammars:
         self._backends: dict[str, Any] = {}
         self._lock = threading.Lock()  # the worker checks in threads; building is slow
 
-    def primed(self, spec: ResumeSpec) -> Any:
-        """A vLLM StructuredOutputGrammar that has accepted `spec.output`. Raises
-        CannotResume naming why not."""
+    def primed(self, spec: ResumeSpec, stop_token_ids: Iterable[int] = ()) -> Any:
+        """A vLLM StructuredOutputGrammar that has accepted `spec.output`; where vLLM's
+        backend takes them (0.32), `stop_token_ids` end it as they would vLLM's own.
+        Raises CannotResume naming why not, whatever went wrong."""
+        try:
+            return self._primed(spec, frozenset(stop_token_ids))
+        except CannotResume:
+            raise
+        except Exception as exc:  # a backend that would not build: never the engine's end
+            raise CannotResume(f"{type(exc).__name__}: {exc}") from exc
+
+    def _primed(self, spec: ResumeSpec, stop_token_ids: frozenset[int]) -> Any:
         from vllm.sampling_params import SamplingParams, StructuredOutputsParams
         from vllm.v1.structured_output.request import get_structured_output_key
 
@@ -122,7 +133,13 @@ class ResumeGrammars:
         key = get_structured_output_key(params.structured_outputs)
         backend = self._backend(name)
         try:
-            grammar = backend.compile_grammar(*key)
+            if (
+                stop_token_ids
+                and "stop_token_ids" in inspect.signature(backend.compile_grammar).parameters
+            ):
+                grammar = backend.compile_grammar(*key, stop_token_ids=set(stop_token_ids))
+            else:
+                grammar = backend.compile_grammar(*key)
         except Exception as exc:
             raise CannotResume(f"the {name} backend cannot compile the constraint: {exc}") from exc
         for i, token in enumerate(spec.output):
@@ -143,7 +160,7 @@ class ResumeGrammars:
         from vllm.v1.structured_output.backend_guidance import validate_guidance_grammar
         from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
 
-        setting = _backend_setting(self._config)
+        setting = resume_backend(self._config)
         if setting not in BACKENDS:
             raise CannotResume(f"the {setting} structured-output backend cannot resume")
         if setting in ("auto", "xgrammar"):
@@ -245,23 +262,56 @@ def _processor_class() -> type:
             spec = ResumeSpec.of(params)
             if spec is None:
                 return None
+            stops = _stop_ids(params)
             try:
-                grammar = self._grammars.primed(spec)
+                grammar = self._grammars.primed(spec, stops)
             except CannotResume:
                 # The worker compiled and advanced the same grammar before sending the
-                # request, so this does not happen; if it did, end the output now.
+                # request, so this does not happen; if it did, end the output now (the
+                # worker's ResumeGuard then fails the request: never an OK broken output).
                 log.exception("resumed request's grammar failed in the engine")
-                return _end_now(self._eos(params))
+                return _end_now(sorted(stops))
             return _Masked(grammar, self._vocab_size)
-
-        @staticmethod
-        def _eos(params: Any) -> list[int]:
-            ids = getattr(params, "all_stop_token_ids", None) or ()
-            return sorted(int(t) for t in ids)
 
     ResumedConstraintProcessor.__name__ = "ResumedConstraint"
     ResumedConstraintProcessor.__qualname__ = "ResumedConstraint"
     return ResumedConstraintProcessor
+
+
+def _stop_ids(params: Any) -> frozenset[int]:
+    """The request's EOS and stop token ids, as vLLM gives them to its own grammars."""
+    return frozenset(int(t) for t in getattr(params, "all_stop_token_ids", None) or ())
+
+
+class ResumeGuard:
+    """The worker's own check of a resumed constrained request's output: the grammar it
+    primed before sending the request, advanced by every token the engine returns. Should
+    the engine ever let a token through that the constraint forbids, or stop where the
+    constraint cannot end, the request ends with an error instead of an OK answer."""
+
+    def __init__(self, grammar: Any) -> None:
+        self._grammar = grammar
+        self.broken: str | None = None
+        self._seen = 0
+
+    def feed(self, token_ids: Sequence[int]) -> None:
+        for token in token_ids:
+            if self.broken is None and not self._grammar.is_terminated():
+                if not self._grammar.accept_tokens("guard", [int(token)]):
+                    self.broken = (
+                        f"the engine produced token {token} after {self._seen} new "
+                        "tokens, where the constraint does not allow it"
+                    )
+            self._seen += 1
+
+    def check_end(self, stopped: bool) -> str | None:
+        """Why the output so far breaks its constraint for an ending of this kind (a
+        length or time limit owes a valid start only); None when it keeps it."""
+        if self.broken is not None:
+            return self.broken
+        if stopped and not self._grammar.is_terminated():
+            return "the output stopped where its constraint cannot end"
+        return None
 
 
 def _end_now(stop_ids: list[int]) -> Any:

@@ -262,6 +262,7 @@ class _Run:
         self.uncounted = 0  # generated tokens not yet given to the counter
         self.prompt_logprobs_sent = False
         self.interrupted_by: WorkerCallFailed | None = None  # the failure a resume follows
+        self.refused: WorkerCallFailed | None = None  # a worker that would not resume it
         self.detok = entry.tokenizer.detokenizer(
             prompt_ids[-PROMPT_CONTEXT_TOKENS:], params.skip_special_tokens
         )
@@ -300,13 +301,14 @@ class _Run:
                 span.set_attribute("switchyard.outcome", "no_healthy_worker")
                 if self.generated:
                     n = len(self.generated)
+                    cause = self.interrupted_by or last_failure
+                    if self.refused is not None:  # the workers that could, would not
+                        raise refused_resume(n, self.refused, cause) from e
                     if constrained and any(
                         w.healthy and w not in tried for w in self.entry.workers
                     ):
-                        raise not_resumable_anywhere(
-                            self.entry.name, self.params, n, last_failure
-                        ) from e
-                    raise NotResumable(n, said(last_failure), f"{e}") from e
+                        raise not_resumable_anywhere(self.entry.name, self.params, n, cause) from e
+                    raise NotResumable(n, said(cause), f"{e}") from e
                 # Nobody left to try: the client hears what went wrong, not just that.
                 if last_failure is not None and last_failure.kind is FailureKind.OVERLOADED:
                     raise Overloaded(
@@ -320,8 +322,6 @@ class _Run:
                 span.end()
             structlog.contextvars.bind_contextvars(worker=worker.address)
             self.final.worker = worker.address
-            if self.generated:
-                self.final.resumed_after_tokens.append(len(self.generated))
             failed: WorkerCallFailed | None = None
             async with contextlib.aclosing(self._attempt(worker, remaining_tokens)) as attempt:
                 async for msg in attempt:
@@ -410,11 +410,15 @@ class _Run:
         wreq.traceparent = headers.get("traceparent", "")
         wreq.tracestate = headers.get("tracestate", "")
         generated_before = len(self.generated)
+        noted = False  # in final.resumed_after_tokens
         cost = len(context) + remaining_tokens * p.beam_width
         call = worker.generate(wreq, timeout, cost_tokens=cost, prompt_tokens=len(context))
         try:
             async with call as events:
                 async for resp in events:
+                    if resumed and not noted:  # the new worker answers: the stream goes on
+                        self.final.resumed_after_tokens.append(generated_before)
+                        noted = True
                     if resp.HasField("final"):
                         self._take_final(resp.final)
                         self._count_tokens()  # before the client can see the end
@@ -459,8 +463,17 @@ class _Run:
                 resumed
                 and failure.kind is FailureKind.REJECTED
                 and len(self.generated) == generated_before
-            ):  # it would not continue this stream: nowhere else will either
-                raise refused_resume(len(self.generated), failure, self.interrupted_by) from failure
+            ):  # it would not continue this stream; another worker may
+                self.refused = failure
+                log.warning(
+                    "worker refused to resume a stream",
+                    worker=worker.address,
+                    error=failure.message,
+                    tokens_so_far=len(self.generated),
+                    request_id=p.request_id,
+                )
+                yield failure
+                return
             step = self.failover.next_step(failure, self.engine_errors)
             if step is Next.TIME_LIMIT:
                 self.final.finish_reason = FinishReason.FINISH_REASON_TIME_LIMIT

@@ -138,14 +138,19 @@ bool to_gen_request(const wv1::GenerateRequest& in, const EngineInfo& info, doub
   }
   out->resumed_tokens = in.resume_token_ids_size();
   const auto n = static_cast<int>(out->prompt.size());
+  // Too long for the engine: the prompt, or (resumed) the prompt with the tokens so far.
+  const char* input_field = in.resume_token_ids_size() > 0 ? "resume_token_ids" : "prompt_token_ids";
+  const std::string input = in.resume_token_ids_size() > 0
+                                ? "the prompt and the tokens so far have "
+                                : "the prompt has ";
   if (n >= info.max_context) {
-    return bad(error, "prompt_token_ids",
-               "the prompt has " + std::to_string(n) + " tokens; the context is " +
+    return bad(error, input_field,
+               input + std::to_string(n) + " tokens; the context is " +
                    std::to_string(info.max_context));
   }
   if (info.max_input_len > 0 && n > info.max_input_len) {
-    return bad(error, "prompt_token_ids",
-               "the prompt has " + std::to_string(n) + " tokens; the engine takes at most " +
+    return bad(error, input_field,
+               input + std::to_string(n) + " tokens; the engine takes at most " +
                    std::to_string(info.max_input_len) + " (max_input_len)");
   }
   if (in.max_tokens() < 1) return bad(error, "max_tokens", "must be at least 1");

@@ -384,6 +384,10 @@ TEST(Translate, AResumedRequestContinuesAfterTheTokensSoFar) {
   for (int i = 0; i < 90; ++i) full.add_resume_token_ids(4);
   EXPECT_FALSE(to_gen_request(full, info(), -1, &out, &err));
   EXPECT_EQ(err.field, "max_tokens");
+  // The tokens so far fill the context: named as what overflowed it.
+  for (int i = 0; i < 10; ++i) full.add_resume_token_ids(4);
+  EXPECT_FALSE(to_gen_request(full, info(), -1, &out, &err));
+  EXPECT_EQ(err.field, "resume_token_ids");
 }
 
 TEST(Translate, AConstrainedResumeIsRefusedAsUnsupported) {

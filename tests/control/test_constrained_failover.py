@@ -38,6 +38,7 @@ from tests.procs import Proc, start_process, wait_serving
 FR = common_pb2.FinishReason
 STREAMS_PER_KIND = 4  # per round: 20 streams, half of them on the worker that is killed
 LOGPROBS = 2
+KINDS = {c.kind for c in CASES}
 RESUMED_WANTED = 20
 MAX_ROUNDS = 6
 
@@ -91,7 +92,7 @@ async def stream(
     stub: generation_pb2_grpc.GenerationStub,
     case: Case,
     seed: int,
-    at_first_token: list[int],
+    progress: dict[int, int],
 ) -> list[Outcome]:
     """One constrained stream (every fifth with n = 2), logprobs asked, read to its end."""
     await asyncio.sleep(random.Random(seed).uniform(0, 0.2))  # staggered: kills land apart
@@ -112,9 +113,8 @@ async def stream(
                 samples[msg.final.index].final = msg.final
                 continue
             out = samples[msg.chunk.index]
-            if not out.token_ids and seed not in at_first_token:
-                at_first_token.append(seed)
             out.token_ids.extend(msg.chunk.token_ids)
+            progress[seed] = max(progress.get(seed, 0), len(out.token_ids))
             out.text += msg.chunk.text
             out.logprobs += sum(len(lp.top) == LOGPROBS for lp in msg.chunk.logprobs)
     except grpc.aio.AioRpcError as e:
@@ -151,7 +151,8 @@ async def healthy(stub: generation_pb2_grpc.GenerationStub, want: int, within_s:
 
 async def kill_rounds(ctl: Proc, checker: Checker, channels: int) -> None:
     """Rounds of 20 constrained streams, a worker killed under each round once half of
-    them have their first token, until RESUMED_WANTED streams were resumed mid-output."""
+    them have a few tokens (1 to 12, drawn each round), until RESUMED_WANTED streams of
+    every kind were resumed mid-output."""
     chans = [
         grpc.aio.insecure_channel(ctl.address, options=[("grpc.use_local_subchannel_pool", 1)])
         for _ in range(channels)
@@ -169,17 +170,20 @@ async def kill_rounds(ctl: Proc, checker: Checker, channels: int) -> None:
             victims = pyworkers(ctl)
             assert len(victims) == 2, victims
             victim = victims[round_ % 2]
-            firsts: list[int] = []
+            progress: dict[int, int] = {}  # tokens so far, by stream
             tasks = []
             for case in CASES:
                 for _ in range(STREAMS_PER_KIND):
                     seed += 1
                     stub = stubs[seed % len(stubs)]
-                    tasks.append(asyncio.create_task(stream(stub, case, seed, firsts)))
+                    tasks.append(asyncio.create_task(stream(stub, case, seed, progress)))
+            # The kill lands once half the streams have `at` tokens, `at` drawn anew each
+            # round (half, not all: on a GPU the first would be over before the last start).
+            at = random.Random(round_).randint(1, 12)
             deadline = time.monotonic() + 120
-            # Once half the streams have their first token: on a GPU the first ones would
-            # be over by the time the last started.
-            while len(firsts) < len(tasks) // 2 and not all(t.done() for t in tasks):
+            while sum(n >= at for n in progress.values()) < len(tasks) // 2:
+                if all(t.done() for t in tasks):
+                    break
                 assert time.monotonic() < deadline, "streams did not start"
                 await asyncio.sleep(0.005)
             kill_tree(victim)
@@ -203,14 +207,14 @@ async def kill_rounds(ctl: Proc, checker: Checker, channels: int) -> None:
                     resumed[kind] += 1
                     positions.extend(o.final.resumed_after_tokens)
             assert not bad, "\n".join(bad)
-            if sum(resumed.values()) >= RESUMED_WANTED:
+            if sum(resumed.values()) >= RESUMED_WANTED and set(resumed) == KINDS:
                 break
     finally:
         for c in chans:
             await c.close()
     print(f"\nresumed mid-output: {dict(resumed)}; at tokens {sorted(positions)}")
     assert sum(resumed.values()) >= RESUMED_WANTED, resumed
-    assert set(resumed) == {c.kind for c in CASES}, resumed  # every kind, at least once
+    assert set(resumed) == KINDS, resumed  # every kind, at least once
     assert len(set(positions)) > 1  # killed at different points of the outputs
 
 
@@ -247,6 +251,9 @@ SIM_MODEL = (
 )
 
 
+SIM_TOKENS = 1000  # 3 s a stream: every stream is still running when the worker is killed
+
+
 def cpp_workers(ctl: Proc) -> dict[str, int]:
     """The control plane's C++ worker processes: address -> pid."""
     found = {}
@@ -265,7 +272,7 @@ async def sim_stream(
     req = generation_pb2.GenerateRequest(
         model="sim",
         text=f"stream {i}",
-        stopping=generation_pb2.StoppingParams(max_tokens=300, ignore_eos=True),
+        stopping=generation_pb2.StoppingParams(max_tokens=SIM_TOKENS, ignore_eos=True),
     )
     if constrained:
         req.constraint.regex = "[a-z]+"
@@ -322,7 +329,7 @@ async def test_a_worker_that_cannot_continue_a_constraint_ends_it_unavailable(
             refused += 1
             continue
         assert out.finish_reason == FR.FINISH_REASON_LENGTH
-        assert out.usage.completion_tokens == 300
+        assert out.usage.completion_tokens == SIM_TOKENS
         if out.resumed_after_tokens:
             assert not constrained, out  # never a constrained stream resumed here
             resumed += 1

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from vllm import exceptions as vllm_errors
 
+from pyworker.engine_errors import classify, client_field
 from pyworker.errors import InvalidArgument, Overloaded
-from pyworker.generation import classify, client_field
 
 
 def chained(outer: BaseException, cause: BaseException) -> BaseException:
