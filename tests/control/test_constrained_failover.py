@@ -194,6 +194,9 @@ async def kill_rounds(ctl: Proc, checker: Checker, channels: int) -> None:
                     bad.append(f"{kind}: {o.error.code().name}: {o.error.details()}")
                     continue
                 assert o.final is not None
+                assert o.final.finish_reason in (FR.FINISH_REASON_STOP, FR.FINISH_REASON_LENGTH), (
+                    o.final
+                )
                 stopped = o.final.finish_reason == FR.FINISH_REASON_STOP
                 why = checker.violation(o.case, o.text, o.token_ids, stopped)
                 if why is not None:

@@ -79,6 +79,7 @@ def test_a_constraint_continues_past_the_tokens_so_far(
     )
     ids = whole[:cut] + ids_of(chunks)
     assert final.usage.completion_tokens == len(ids) - cut
+    assert final.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
     stopped = final.finish_reason == common_pb2.FINISH_REASON_STOP
     assert checker.violation(case, _decode(tiny_model_dir, ids), ids, stopped) is None
 
@@ -115,3 +116,35 @@ def _encode(model_dir: Path, text: str) -> list[int]:
 
     ids = AutoTokenizer.from_pretrained(str(model_dir)).encode(text, add_special_tokens=False)
     return [int(t) for t in ids]
+
+
+def test_the_workers_own_check_catches_a_broken_constraint(tiny_model_dir: Path) -> None:
+    """ResumeGuard over vLLM's own xgrammar grammar: a token the constraint forbids, or a
+    stop where it cannot end, is caught; a valid output passes."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
+
+    from pyworker.resume_grammar import ResumeGuard
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer))
+
+    def guard() -> ResumeGuard:
+        ctx = compiler.compile_regex("ab+c")
+        matcher = xgr.GrammarMatcher(ctx)
+        return ResumeGuard(XgrammarGrammar(vocab_size=len(tokenizer), matcher=matcher, ctx=ctx))
+
+    def ids(text: str) -> list[int]:
+        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+    ok = guard()
+    ok.feed([*ids("abbc"), tokenizer.eos_token_id])
+    assert ok.check_end(stopped=True) is None
+    short = guard()
+    short.feed(ids("abb"))
+    assert short.check_end(stopped=False) is None  # cut by max_tokens: a valid start
+    assert "cannot end" in (short.check_end(stopped=True) or "")
+    wrong = guard()
+    wrong.feed(ids("ax"))
+    assert "does not allow" in (wrong.check_end(stopped=False) or "")
