@@ -52,8 +52,13 @@ class FakeGenerations:
         self.released: list[str] = []
         self.tasks: set[asyncio.Task[None]] = set()
 
-    def final_for(self, parsed: Any, state: Any, completion: Any, last: Any) -> Any:
+    def final_for(
+        self, parsed: Any, state: Any, completion: Any, last: Any, guard: Any = None
+    ) -> Any:
         return worker_pb2.Final(finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    async def check_resume(self, parsed: Any) -> None:
+        return None  # none of these requests is a resumed constrained one
 
     def count_tokens(self, n: int) -> None:
         pass
