@@ -369,8 +369,9 @@ def write_report(result: dict[str, Any], out_dir: Path) -> None:
 `python -m bench.soak --minutes {result["minutes"]}`: {result["minutes"]} minutes through one
 control plane on real vLLM (CPU) workers and C++ simulator workers at once: concurrency
 changing every phase, random cancels (after 0, 1 or 5 messages) and deadlines (50 ms, 0.5 s,
-5 s), stop strings and seeds, and one worker killed with SIGKILL every few minutes
-(the supervisor restarts it; its streams fail over or resume).
+5 s), stop strings and seeds, constrained streams of every kind (a fifth of the vLLM
+traffic, each output judged by its tokens and its text), and one worker killed with
+SIGKILL every few minutes (the supervisor restarts it; its streams fail over or resume).
 
 | | |
 |---|---|
