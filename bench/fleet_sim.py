@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import heapq
 import inspect
-import json
 import os
 import platform
 import random
@@ -33,6 +32,7 @@ from typing import Any
 
 import switchyard_runtime as rt
 
+from bench import kv_summary
 from bench.fleet_workload import (
     TenantSpec,
     Workload,
@@ -530,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data["reuse_ceiling"] = {"cached_prompt_tokens": ceiling[0], "prompt_tokens": ceiling[1]}
         data |= {"sim": asdict(params), "machine": machine()}
         data["results"] = [asdict(r) for r in results]
-        args.json.write_text(json.dumps(data, indent=2) + "\n")
+        kv_summary.write_json(args.json, data)
     return 0
 
 

@@ -1,9 +1,9 @@
 """Plots of the routing comparison (docs/kv-routing.md) from the benchmarks' JSON:
 
     python -m bench.kv_plots --sim docs/kv-routing/sim-seed*.json \\
-        --rates docs/kv-routing/sim-rate*.json docs/kv-routing/sim-seed0.json \\
-        --real docs/kv-routing/real.json --restart docs/kv-routing/real-restart.json \\
-        --seeds docs/kv-routing/real-seeds-2-4.json docs/kv-routing/real-seeds.json \\
+        --rates docs/kv-routing/sim-rate*.json results/kv-routing/sim-seed0.json.xz \\
+        --real results/kv-routing/real.json.xz --restart results/kv-routing/real-restart.json.xz \\
+        --seeds results/kv-routing/real-seeds-2-4.json.xz results/kv-routing/real-seeds.json.xz \\
         --out docs/kv-routing
 
 `--sim` takes `bench.fleet_sim --json` files (one per seed: bars are the mean, whiskers
@@ -16,7 +16,6 @@ bench extra).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +28,7 @@ def _by_policy(files: Sequence[Path], fields: Sequence[str]) -> dict[str, dict[s
     """policy -> field -> one value per file, in the order the first file lists them."""
     out: dict[str, dict[str, list[float]]] = {}
     for f in files:
-        for r in json.loads(f.read_text())["results"]:
+        for r in kv_summary.read_json(f)["results"]:
             row = out.setdefault(r["policy"], {k: [] for k in fields})
             for k in fields:
                 row[k].append(float(r[k]))
@@ -68,7 +67,7 @@ def plot_sim(files: Sequence[Path], out: Path) -> Path:
     axes[1].set_ylabel("prefix-cache hit rate, % of prompt tokens")
     _bars(axes[2], data, "output_tok_s", 1 / 1000)
     axes[2].set_ylabel("output tokens/s, thousands")
-    first = json.loads(files[0].read_text())
+    first = kv_summary.read_json(files[0])
     workers = first["results"][0]["workers"]
     title = (
         f"Fleet simulation, {workers} simulated workers, tenants' traffic "
@@ -93,7 +92,7 @@ def plot_rates(files: Sequence[Path], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = sorted((json.loads(f.read_text()) for f in files), key=lambda d: d["workload"]["rate"])
+    runs = sorted((kv_summary.read_json(f) for f in files), key=lambda d: d["workload"]["rate"])
     rates = [d["workload"]["rate"] for d in runs]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name in [r["policy"] for r in runs[0]["results"]]:
@@ -119,7 +118,7 @@ def plot_real(file: Path, out: Path, name: str = "real.png") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run = json.loads(file.read_text())
+    run = kv_summary.read_json(file)
     results = run["results"]
     names = list(dict.fromkeys(r["policy"] for r in results))
 

@@ -4,13 +4,14 @@ reuse ceiling, in how many seeds it was the highest, and each policy against `kv
 seed by seed. Several files may be given (runs of one seed from another invocation, say);
 for the same policy, seed and setup the later file's run counts.
 
-    python -m bench.kv_summary docs/kv-routing/real.json docs/kv-routing/real-seeds.json
+    python -m bench.kv_summary results/kv-routing/real.json.xz results/kv-routing/real-seeds.json.xz
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,13 +51,30 @@ class Row:
     versus_kv: Versus | None  # None for kv_aware itself, or with no seed in common
 
 
+def write_json(path: Path, data: Any) -> None:
+    """Write results as JSON; xz-compressed when the name ends in `.xz`."""
+    text = json.dumps(data, indent=2) + "\n"
+    if path.suffix == ".xz":
+        path.write_bytes(lzma.compress(text.encode()))
+    else:
+        path.write_text(text)
+
+
+def read_json(path: Path) -> Any:
+    """A results file: JSON, or JSON compressed with xz (`.json.xz`, as the runs kept under
+    results/ are)."""
+    if path.suffix == ".xz":
+        return json.loads(lzma.decompress(path.read_bytes()))
+    return json.loads(path.read_text())
+
+
 def load(files: Iterable[Path]) -> tuple[list[Run], dict[int, float]]:
     """The runs of every file (the later file's for a repeated policy, seed and setup),
     and each seed's reuse ceiling as a hit rate."""
     runs: dict[tuple[str, int, Setup], Run] = {}
     ceilings: dict[int, float] = {}
     for f in files:
-        data: dict[str, Any] = json.loads(f.read_text())
+        data: dict[str, Any] = read_json(f)
         for seed, c in data.get("reuse_ceiling", {}).items():
             ceilings[int(seed)] = c["cached_prompt_tokens"] / c["prompt_tokens"]
         for r in data["results"]:
