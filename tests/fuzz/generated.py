@@ -8,7 +8,7 @@ exactly one final, last) or a status with a clear message: INVALID_ARGUMENT name
 fields in a BadRequest; client input never gets UNKNOWN or INTERNAL.
 
 How many examples run is a setting: SWITCHYARD_FUZZ_EXAMPLES (CI runs a few hundred;
-README, "Fuzzing", has the full run).
+docs/development.md, "Fuzzing and the soak", has the full run).
 """
 
 from __future__ import annotations
