@@ -22,6 +22,8 @@ from typing import Any
 import jsonschema
 from switchyard.v1 import common_pb2
 
+from control.text.constraints import Constraint
+
 
 @dataclass(frozen=True)
 class Case:
@@ -32,16 +34,10 @@ class Case:
     text_pattern: str = ""  # a grammar's equivalent regex, for the text check
 
     def to_proto(self) -> common_pb2.OutputConstraint:
-        msg = common_pb2.OutputConstraint()
-        if self.kind == "json_schema":
-            msg.json_schema = json.dumps(self.value)
-        elif self.kind == "json_object":
-            msg.json_object = True
-        elif self.kind == "choice":
-            msg.choice.values.extend(self.value)
-        else:
-            setattr(msg, self.kind, self.value)
-        return msg
+        if self.kind == "choice":
+            return Constraint(self.kind, choices=tuple(self.value)).to_proto()
+        text = json.dumps(self.value) if self.kind == "json_schema" else self.value
+        return Constraint(self.kind, text=text if isinstance(text, str) else "").to_proto()
 
 
 # Outputs of tens of tokens on the tiny model, so that a kill lands inside them.

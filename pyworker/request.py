@@ -116,6 +116,7 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
             )
     sampling_kwargs = _sampling_kwargs(request.sampling, violations)
     constraint_field: str | None = None
+    spec: ResumeSpec | None = None  # a constrained resume's grammar, to advance
     if request.HasField("constraint"):
         kind = request.constraint.WhichOneof("kind")
         if kind is None or kind not in info.structured_output:
@@ -177,7 +178,7 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
         adapter=str(request.adapter),
         beam_width=beam_width,
         resume_token_ids=tuple(resume),
-        resume_spec=ResumeSpec.of(params),
+        resume_spec=spec,
     )
 
 
