@@ -18,7 +18,8 @@ from control.errors import FieldViolation, InvalidArgument
 from control.text.constraints import Constraint, parse_constraint
 from switchyard_common.names import ADAPTER_NAME, ADAPTER_NAME_RULE
 
-# Limits on what one request may ask for, checked before any work is done (docs/api.md, "Limits and errors").
+# Limits on what one request may ask for, checked before any work is done
+# (docs/api.md, "Limits and errors").
 MAX_PROMPT_CHARS = 1_000_000  # prompt text; longer prompts cannot fit any served context
 MAX_PROMPT_TOKEN_IDS = 1_000_000  # prompt token ids
 MAX_CHAT_MESSAGES = 4096  # turns of a chat prompt (their text counts toward MAX_PROMPT_CHARS)
