@@ -6,7 +6,7 @@ metrics: {listen: 127.0.0.1:9400}   # Prometheus text at /metrics; off when abse
 tracing: {otlp_endpoint: 127.0.0.1:4317}   # OTLP/gRPC; default: OTEL_EXPORTER_OTLP_*
 tls: {cert: server.pem, key: server.key, client_ca: ca.pem}   # client_ca: mutual TLS
 auth: {tokens_file: tokens.yaml}   # bearer tokens (control/api/auth.py); reloaded on change
-api: {reflection: true, admin: true, max_message_bytes: 67108864}
+api: {reflection: true, admin: true, max_message_bytes: 67108864, request_idle_s: 30}
 health: {listen: 0.0.0.0:50052}   # grpc.health.v1 alone, plaintext, for probes (kubelet)
 models:
   - name: tiny
@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from switchyard_common.wire import DEFAULT_REQUEST_IDLE_S
 
 ENGINES = ("vllm", "trtllm", "sim")
 ROUTING_POLICIES = (
@@ -200,6 +202,8 @@ class ServeConfig:
     reflection: bool = True
     admin: bool = True
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # How long a call may wait for its request message before DEADLINE_EXCEEDED.
+    request_idle_s: float = DEFAULT_REQUEST_IDLE_S
 
 
 def default_config(listen: str = DEFAULT_LISTEN) -> ServeConfig:
@@ -264,7 +268,7 @@ def parse_config(raw: object) -> ServeConfig:
     tokens_file = auth.get("tokens_file")
     if "auth" in raw and not (isinstance(tokens_file, str) and Path(tokens_file).is_file()):
         raise ConfigError("auth.tokens_file", f"expected a tokens file, got {tokens_file!r}")
-    api = _section(raw, "api", {"reflection", "admin", "max_message_bytes"}, "")
+    api = _section(raw, "api", {"reflection", "admin", "max_message_bytes", "request_idle_s"}, "")
     for flag in ("reflection", "admin"):
         if not isinstance(api.get(flag, True), bool):
             raise ConfigError(f"api.{flag}", f"expected true or false, got {api[flag]!r}")
@@ -282,6 +286,7 @@ def parse_config(raw: object) -> ServeConfig:
         max_message_bytes=_number(
             api, "max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES, "api", integer=True
         ),
+        request_idle_s=float(_number(api, "request_idle_s", DEFAULT_REQUEST_IDLE_S, "api")),
     )
 
 

@@ -34,9 +34,18 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
+from switchyard.v1 import generation_pb2
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-__all__ = ["ModelMetrics", "mark_process_dead", "request_ended", "router_env", "scrape_registry"]
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+__all__ = [
+    "ModelMetrics",
+    "malformed_request",
+    "mark_process_dead",
+    "request_ended",
+    "router_env",
+    "scrape_registry",
+]
 
 # A `_created` series per counter doubles the output for a timestamp nobody queries.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -139,6 +148,13 @@ RESUMES = Counter(
     "Failovers after the first token: another worker continued the stream.",
     ["model"],
 )
+MALFORMED = Counter(
+    "switchyard_malformed_requests",
+    "Calls answered INVALID_ARGUMENT because their request body was not a valid encoding "
+    "of the method's message, by full method name (a client's fault, counted also in "
+    "switchyard_requests for the Generation service).",
+    ["method"],
+)
 
 
 class ModelMetrics:
@@ -217,6 +233,14 @@ def request_ended(
     if child is None:
         child = cache[(rpc, code)] = REQUESTS.labels(model, rpc, code)
     child.inc()
+
+
+def malformed_request(method: str) -> None:
+    """Count a call whose body did not parse: a client error, of no model."""
+    MALFORMED.labels(method).inc()
+    service, _, rpc = method.rpartition("/")
+    if service == f"/{GENERATION_SERVICE}":
+        request_ended("", rpc, "INVALID_ARGUMENT")
 
 
 class _Summed(Collector):

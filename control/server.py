@@ -29,7 +29,6 @@ from typing import Any
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -43,10 +42,11 @@ from control.fleet.gauges import FleetCollector
 from control.fleet.lifecycle import ModelLoader, StartupError
 from control.fleet.models import ModelRegistry
 from control.fleet.routers import AdminForwarder, RouterPool
-from control.metrics import scrape_registry
+from control.metrics import malformed_request, scrape_registry
 from control.tracing import endpoint_from_env
 from switchyard_common.ports import bind, check_free
 from switchyard_common.tls import server_credentials
+from switchyard_common.wire import Wire
 
 log = structlog.get_logger(__name__)
 
@@ -119,6 +119,8 @@ class ControlPlane:
         self._metrics_server: Any = None
         self._health_server: grpc.aio.Server | None = None
         self._metrics_dir: str | None = None  # the routers' metrics, when they have any
+        # Every service registers through this: bodies that do not parse are the client's.
+        self.wire = Wire(config.request_idle_s, on_malformed=malformed_request)
 
     async def start(self) -> None:
         if tracing.configure(self.otlp_endpoint, self.config.service_name):
@@ -135,13 +137,14 @@ class ControlPlane:
         services = [GENERATION_SERVICE, health.SERVICE_NAME]
         if self.config.admin:
             services.append(ADMIN_SERVICE)
+        wire = self.wire
         for server in self.servers:
-            generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
+            wire.add(server, generation_pb2_grpc.add_GenerationServicer_to_server, generation)
             if self.config.admin:
-                admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+                wire.add(server, admin_pb2_grpc.add_AdminServicer_to_server, admin)
+            wire.add(server, health_pb2_grpc.add_HealthServicer_to_server, self.health)
             if self.config.reflection:
-                reflection.enable_server_reflection((*services, reflection.SERVICE_NAME), server)
+                wire.add_reflection(server, services)
         for name in ("", GENERATION_SERVICE, *(m.name for m in self.config.models)):
             await self.health.set(name, NOT_SERVING)
         # For liveness probes: SERVING while this process serves gRPC at all, whatever
@@ -153,7 +156,7 @@ class ControlPlane:
         private = ""
         if self.routers > 1:  # where the routers reach this process's Admin service
             assert self._private is not None
-            admin_pb2_grpc.add_AdminServicer_to_server(admin, self._private)
+            wire.add(self._private, admin_pb2_grpc.add_AdminServicer_to_server, admin)
             private = f"127.0.0.1:{bind(self._private, '127.0.0.1:0')}"
             await self._private.start()
         for server in self.servers:
@@ -246,7 +249,9 @@ class ControlPlane:
         """grpc.health.v1 alone on a plaintext port: the same statuses as the public
         port's, for probes that cannot present TLS or a token."""
         self._health_server = grpc.aio.server()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        self.wire.add(
+            self._health_server, health_pb2_grpc.add_HealthServicer_to_server, self.health
+        )
         try:
             bind(self._health_server, listen)
         except OSError as e:

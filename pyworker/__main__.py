@@ -24,6 +24,7 @@ from pyworker.stderr_tail import StderrTail
 from switchyard_common.logs import configure_logging
 from switchyard_common.ports import Reservation
 from switchyard_common.tls import server_credentials
+from switchyard_common.wire import DEFAULT_REQUEST_IDLE_S
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -69,6 +70,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--grace", type=float, default=DEFAULT_GRACE_S, help="shutdown grace in seconds"
+    )
+    parser.add_argument(
+        "--request-idle-s",
+        type=float,
+        default=DEFAULT_REQUEST_IDLE_S,
+        help="how long a call may wait for its request message (DEADLINE_EXCEEDED after)",
     )
     parser.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
     parser.add_argument("--tls-key", help="... and this key (PEM)")
@@ -136,6 +143,7 @@ async def run(args: argparse.Namespace, tail: StderrTail | None = None) -> int:
             grace_s=args.grace,
             reservation=reservation,
             credentials=credentials,
+            request_idle_s=args.request_idle_s,
         )
         code = EXIT_ENGINE_DEAD if reason is StopReason.ENGINE_DEAD else EXIT_OK
         log.info("stopped", reason=reason.value)

@@ -18,12 +18,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 # grpcio-health-checking ships an asyncio servicer as `health.aio`; its stubs predate it.
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
-from grpc_reflection.v1alpha import reflection
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from pyworker.engine import Engine
 from pyworker.servicer import WorkerServicer
 from switchyard_common.ports import NO_REUSEPORT, Reservation, bind
+from switchyard_common.wire import DEFAULT_REQUEST_IDLE_S, Wire
 
 log = structlog.get_logger(__name__)
 
@@ -54,6 +54,7 @@ class WorkerServer:
         host: str,
         port: int,
         credentials: grpc.ServerCredentials | None = None,
+        request_idle_s: float = DEFAULT_REQUEST_IDLE_S,
     ) -> None:
         self._engine = engine
         self._address = listen_address(host, port)
@@ -65,15 +66,12 @@ class WorkerServer:
         self._stop = asyncio.Event()
         self._stop_reason = StopReason.REQUESTED
 
-        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (
-                WORKER_SERVICE,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
+        wire = Wire(request_idle_s)
+        wire.add(self._server, worker_pb2_grpc.add_WorkerServicer_to_server, self.servicer)
+        wire.add(self._server, health_pb2_grpc.add_HealthServicer_to_server, self._health)
+        wire.add_reflection(
             self._server,
+            (WORKER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
         )
 
     async def start(self, reservation: Reservation | None = None) -> int:
@@ -149,9 +147,10 @@ async def serve(
     grace_s: float = DEFAULT_GRACE_S,
     reservation: Reservation | None = None,
     credentials: grpc.ServerCredentials | None = None,
+    request_idle_s: float = DEFAULT_REQUEST_IDLE_S,
 ) -> StopReason:
     """Serve `engine` until SIGTERM/SIGINT or engine death. The engine stays up."""
-    server = WorkerServer(engine, host, port, credentials)
+    server = WorkerServer(engine, host, port, credentials, request_idle_s)
     install_signal_handlers(server)
     try:
         await server.start(reservation)

@@ -1,0 +1,223 @@
+"""The bytes of a request, before they are a message: how every Switchyard Python
+server registers its services.
+
+grpc.aio parses a request body before the handler runs, and a body that is not a valid
+encoding (a client built from a stale `.proto`, a truncated frame, a scanner) ends the
+call UNKNOWN with a Python class name in the message: a status that blames nobody. So
+each handler is registered here with no deserializer and parses the body itself. A body
+that does not parse ends its call INVALID_ARGUMENT, naming the message type expected,
+with a `BadRequest` on the field `request`; it is logged once at info level with the
+peer. On a bidirectional stream a message that does not parse ends that stream alone.
+
+A call whose request message does not arrive within `request_idle_s` of the call
+starting ends DEADLINE_EXCEEDED: a client that opens a stream and never sends holds no
+slot for longer than that. Streams whose requests are a stream (GenerateStream,
+reflection) may idle as long as they like.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import grpc
+import structlog
+from google.protobuf.message import DecodeError
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+
+from switchyard_common.rpc_status import FieldViolation, status_trailers
+
+__all__ = ["DEFAULT_REQUEST_IDLE_S", "Wire", "malformed_message"]
+
+log = structlog.get_logger(__name__)
+
+# How long a call may wait for its request message (the documented default).
+DEFAULT_REQUEST_IDLE_S = 30.0
+
+# (full method name) -> None: told of each malformed body, e.g. to count it.
+MalformedHook = Callable[[str], None]
+Handler = Any  # grpc.RpcMethodHandler (its stubs are not generic enough to say more)
+Parse = Callable[[bytes], Any]
+
+
+def malformed_message(type_name: str, size: int) -> str:
+    return f"request body is not a valid encoding of {type_name} ({size} bytes)"
+
+
+@dataclass
+class Wire:
+    """Registers servicers on a grpc.aio server so their calls parse their own bodies.
+
+    `register` is a generated `add_<Service>Servicer_to_server` function."""
+
+    request_idle_s: float = DEFAULT_REQUEST_IDLE_S
+    on_malformed: MalformedHook | None = None
+    _services: list[str] = field(default_factory=list)
+
+    def add(
+        self, server: grpc.aio.Server, register: Callable[[Any, Any], None], servicer: Any
+    ) -> None:
+        capture = _Capture()
+        register(servicer, capture)
+        for service, handlers in capture.services.items():
+            guarded = {
+                name: self.guard(f"/{service}/{name}", handler)
+                for name, handler in handlers.items()
+            }
+            server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler(service, guarded),)
+            )
+            # (grpc-stubs predate registered methods)
+            server.add_registered_method_handlers(service, guarded)  # type: ignore[attr-defined]
+
+    def add_reflection(self, server: grpc.aio.Server, services: Sequence[str]) -> None:
+        """Server reflection (for grpcurl) of `services` and itself."""
+        servicer = reflection.aio.ReflectionServicer(  # type: ignore[attr-defined]
+            (*services, reflection.SERVICE_NAME)
+        )
+        self.add(server, reflection_pb2_grpc.add_ServerReflectionServicer_to_server, servicer)
+
+    def guard(self, method: str, handler: Handler) -> Handler:
+        """`handler` with its request parsed in the call (and its wait bounded)."""
+        parse: Parse | None = handler.request_deserializer
+        if parse is None:
+            return handler
+        type_name = _type_name(parse)
+        serializer = handler.response_serializer
+        if handler.unary_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                self._unary_unary(method, type_name, parse, handler.unary_unary),
+                response_serializer=serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._unary_stream(method, type_name, parse, handler.unary_stream),
+                response_serializer=serializer,
+            )
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                self._stream_request(method, type_name, parse, handler.stream_unary),
+                response_serializer=serializer,
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            self._stream_request(method, type_name, parse, handler.stream_stream),
+            response_serializer=serializer,
+        )
+
+    # A unary request is read here, not by grpc before the handler, so the wait for it is
+    # bounded; the handler is registered as a request stream of which one message is read.
+
+    def _unary_unary(self, method: str, type_name: str, parse: Parse, inner: Any) -> Any:
+        async def call(_requests: object, context: Any) -> Any:
+            request = await self._first(method, type_name, parse, context)
+            return await inner(request, context)
+
+        return call
+
+    def _unary_stream(self, method: str, type_name: str, parse: Parse, inner: Any) -> Any:
+        async def call(_requests: object, context: Any) -> None:
+            request = await self._first(method, type_name, parse, context)
+            await _stream(inner, request, context)
+
+        return call
+
+    def _stream_request(self, method: str, type_name: str, parse: Parse, inner: Any) -> Any:
+        async def requests(
+            raw_requests: AsyncIterator[bytes], context: Any
+        ) -> AsyncGenerator[Any, None]:
+            async for raw in raw_requests:
+                try:
+                    request = parse(raw)
+                except DecodeError:
+                    await self._refuse(method, type_name, raw, context)
+                yield request
+
+        async def call(raw_requests: AsyncIterator[bytes], context: Any) -> Any:
+            parsed = requests(raw_requests, context)
+            async with contextlib.aclosing(parsed):
+                if inspect.isasyncgenfunction(inner):
+                    await _stream(inner, parsed, context)
+                    return None
+                return await inner(parsed, context)
+
+        return call
+
+    async def _first(
+        self,
+        method: str,
+        type_name: str,
+        parse: Parse,
+        context: Any,
+    ) -> Any:
+        # context.read(), not the iterator: an async generator left unfinished would cost
+        # the event loop a task to close it.
+        try:
+            async with asyncio.timeout(self.request_idle_s):
+                raw = await context.read()
+        except TimeoutError:
+            log.info("request never arrived", method=method, peer=context.peer())
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no {type_name} arrived within {self.request_idle_s:g} s of the call "
+                "starting (the server's request idle limit)",
+            )
+        if raw is grpc.aio.EOF:  # type: ignore[attr-defined]  # the client closed its side without a request
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"the call ended before its {type_name}"
+            )
+        try:
+            return parse(raw)
+        except DecodeError:
+            await self._refuse(method, type_name, raw, context)
+
+    async def _refuse(self, method: str, type_name: str, raw: bytes, context: Any) -> NoReturn:
+        message = malformed_message(type_name, len(raw))
+        log.info("malformed request", method=method, peer=context.peer(), bytes=len(raw))
+        if self.on_malformed is not None:
+            self.on_malformed(method)
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            message,
+            trailing_metadata=status_trailers(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                message,
+                violations=[FieldViolation("request", message)],
+            ),
+        )
+        raise AssertionError("abort returned")
+
+
+async def _stream(inner: Any, request: Any, context: Any) -> None:
+    """Run a response-streaming handler: an async generator's messages are written here
+    (closed at once if the call ends early); a reader-writer one writes its own."""
+    if not inspect.isasyncgenfunction(inner):
+        await inner(request, context)
+        return
+    async with contextlib.aclosing(inner(request, context)) as responses:
+        async for response in responses:
+            await context.write(response)
+
+
+def _type_name(parse: Parse) -> str:
+    """The full protobuf name of the message a generated `FromString` parses."""
+    owner = getattr(parse, "__self__", None)
+    descriptor = getattr(owner, "DESCRIPTOR", None)
+    return str(getattr(descriptor, "full_name", "the request message"))
+
+
+class _Capture:
+    """Stands in for a server while a generated `add_*_to_server` registers a servicer:
+    keeps its method handlers, by service."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, dict[str, Handler]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the same handlers come to add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Handler]) -> None:
+        self.services[service] = dict(handlers)
