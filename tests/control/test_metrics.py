@@ -314,6 +314,29 @@ def test_cancellations_are_counted_by_cause(planes: tuple[Plane, Plane], prom: P
     )
 
 
+def test_a_body_that_does_not_parse_counts_as_a_client_error(
+    planes: tuple[Plane, Plane], prom: Prometheus
+) -> None:
+    """Bytes that are no GenerateRequest: INVALID_ARGUMENT for the client, counted as a
+    client error of no model, and by method, added up over the routers."""
+    _, routed = planes
+    generate = "/switchyard.v1.Generation/Generate"
+    malformed = f'sum(switchyard_malformed_requests_total{{job="routed",method="{generate}"}})'
+    requests = (
+        'sum(switchyard_requests_total{job="routed",model="",rpc="Generate",'
+        'code="INVALID_ARGUMENT"})'
+    )
+    before = {q: prom.value(q) or 0.0 for q in (malformed, requests)}
+    for _ in range(3):  # one connection each: the kernel may hand them to either router
+        with grpc.insecure_channel(routed.proc.address) as ch:
+            raw = ch.unary_stream(generate, request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as caught:
+                list(raw(b"\xff\xff\xff", timeout=10))
+            assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    for query, was in before.items():
+        wait_value(prom, query, was + 3)
+
+
 def scrape(address: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
         text = r.read().decode()
