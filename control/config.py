@@ -6,7 +6,8 @@ metrics: {listen: 127.0.0.1:9400}   # Prometheus text at /metrics; off when abse
 tracing: {otlp_endpoint: 127.0.0.1:4317}   # OTLP/gRPC; default: OTEL_EXPORTER_OTLP_*
 tls: {cert: server.pem, key: server.key, client_ca: ca.pem}   # client_ca: mutual TLS
 auth: {tokens_file: tokens.yaml}   # bearer tokens (control/api/auth.py); reloaded on change
-api: {reflection: true, admin: true, max_message_bytes: 67108864, request_idle_s: 30}
+api: {reflection: true, admin: true, max_message_bytes: 67108864, max_metadata_bytes: 16384,
+      request_idle_s: 30}
 health: {listen: 0.0.0.0:50052}   # grpc.health.v1 alone, plaintext, for probes (kubelet)
 models:
   - name: tiny
@@ -38,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from switchyard_common.wire import DEFAULT_REQUEST_IDLE_S
+from switchyard_common.wire import DEFAULT_MAX_METADATA_BYTES, DEFAULT_REQUEST_IDLE_S
 
 ENGINES = ("vllm", "trtllm", "sim")
 ROUTING_POLICIES = (
@@ -202,6 +203,7 @@ class ServeConfig:
     reflection: bool = True
     admin: bool = True
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES  # over it: RESOURCE_EXHAUSTED
     # How long a call may wait for its request message before DEADLINE_EXCEEDED.
     request_idle_s: float = DEFAULT_REQUEST_IDLE_S
 
@@ -285,6 +287,9 @@ def parse_config(raw: object) -> ServeConfig:
         admin=api.get("admin", True),
         max_message_bytes=_number(
             api, "max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES, "api", integer=True
+        ),
+        max_metadata_bytes=_number(
+            api, "max_metadata_bytes", DEFAULT_MAX_METADATA_BYTES, "api", integer=True
         ),
         request_idle_s=float(_number(api, "request_idle_s", DEFAULT_REQUEST_IDLE_S, "api")),
     )

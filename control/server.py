@@ -120,7 +120,9 @@ class ControlPlane:
         self._health_server: grpc.aio.Server | None = None
         self._metrics_dir: str | None = None  # the routers' metrics, when they have any
         # Every service registers through this: bodies that do not parse are the client's.
-        self.wire = Wire(config.request_idle_s, on_malformed=malformed_request)
+        self.wire = Wire(
+            config.request_idle_s, config.max_metadata_bytes, on_malformed=malformed_request
+        )
 
     async def start(self) -> None:
         if tracing.configure(self.otlp_endpoint, self.config.service_name):
@@ -214,6 +216,8 @@ class ControlPlane:
                 "reflection": c.reflection,
                 "admin": c.admin,
                 "max_message_bytes": c.max_message_bytes,
+                "max_metadata_bytes": c.max_metadata_bytes,
+                "request_idle_s": c.request_idle_s,
             }
         }
         if self.otlp_endpoint:

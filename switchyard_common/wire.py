@@ -9,10 +9,12 @@ that does not parse ends its call INVALID_ARGUMENT, naming the message type expe
 with a `BadRequest` on the field `request`; it is logged once at info level with the
 peer. On a bidirectional stream a message that does not parse ends that stream alone.
 
-A call whose request message does not arrive within `request_idle_s` of the call
-starting ends DEADLINE_EXCEEDED: a client that opens a stream and never sends holds no
-slot for longer than that. Streams whose requests are a stream (GenerateStream,
-reflection) may idle as long as they like.
+A call whose metadata (headers, counted as HTTP/2 counts a header list: name, value and
+32 bytes each) is over `max_metadata_bytes` ends RESOURCE_EXHAUSTED, whether or not the
+client kept to the limit the server advertised. A call whose request message does not
+arrive within `request_idle_s` of the call starting ends DEADLINE_EXCEEDED: a client
+that opens a stream and never sends holds no slot for longer than that. Streams whose
+requests are a stream (GenerateStream, reflection) may idle as long as they like.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from switchyard_common.rpc_status import FieldViolation, status_trailers
 
-__all__ = ["DEFAULT_REQUEST_IDLE_S", "Wire", "malformed_message"]
+__all__ = ["DEFAULT_MAX_METADATA_BYTES", "DEFAULT_REQUEST_IDLE_S", "Wire", "malformed_message"]
 
 log = structlog.get_logger(__name__)
 
 # How long a call may wait for its request message (the documented default).
 DEFAULT_REQUEST_IDLE_S = 30.0
+# A call's metadata, at most: grpc's own hard limit, which it advertises to clients.
+DEFAULT_MAX_METADATA_BYTES = 16384
 
 # (full method name) -> None: told of each malformed body, e.g. to count it.
 MalformedHook = Callable[[str], None]
@@ -55,6 +59,7 @@ class Wire:
     `register` is a generated `add_<Service>Servicer_to_server` function."""
 
     request_idle_s: float = DEFAULT_REQUEST_IDLE_S
+    max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES
     on_malformed: MalformedHook | None = None
     _services: list[str] = field(default_factory=list)
 
@@ -113,6 +118,7 @@ class Wire:
 
     def _unary_unary(self, method: str, type_name: str, parse: Parse, inner: Any) -> Any:
         async def call(_requests: object, context: Any) -> Any:
+            await self._check_metadata(method, context)
             request = await self._first(method, type_name, parse, context)
             return await inner(request, context)
 
@@ -120,6 +126,7 @@ class Wire:
 
     def _unary_stream(self, method: str, type_name: str, parse: Parse, inner: Any) -> Any:
         async def call(_requests: object, context: Any) -> None:
+            await self._check_metadata(method, context)
             request = await self._first(method, type_name, parse, context)
             await _stream(inner, request, context)
 
@@ -137,6 +144,7 @@ class Wire:
                 yield request
 
         async def call(raw_requests: AsyncIterator[bytes], context: Any) -> Any:
+            await self._check_metadata(method, context)
             parsed = requests(raw_requests, context)
             async with contextlib.aclosing(parsed):
                 if inspect.isasyncgenfunction(inner):
@@ -145,6 +153,16 @@ class Wire:
                 return await inner(parsed, context)
 
         return call
+
+    async def _check_metadata(self, method: str, context: Any) -> None:
+        size = sum(len(k) + len(v) + 32 for k, v in context.invocation_metadata() or ())
+        if size > self.max_metadata_bytes:
+            log.info("metadata over the limit", method=method, peer=context.peer(), bytes=size)
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request metadata is {size} bytes, over the limit of "
+                f"{self.max_metadata_bytes} bytes",
+            )
 
     async def _first(
         self,

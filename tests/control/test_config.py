@@ -57,6 +57,8 @@ def test_full_model_spec(tmp_path: Path) -> None:
         ({"models": [model(chat_template="/no/chat.jinja")]}, "models[0].chat_template"),
         ({"models": [model(chat_template=7)]}, "models[0].chat_template"),
         ({"models": [model()], "api": {"max_message_bytes": 0}}, "api.max_message_bytes"),
+        ({"models": [model()], "api": {"max_metadata_bytes": 1.5}}, "api.max_metadata_bytes"),
+        ({"models": [model()], "api": {"request_idle_s": 0}}, "api.request_idle_s"),
         ({"models": [model()], "tracing": {"otlp_endpoint": "nowhere"}}, "tracing.otlp_endpoint"),
         ({"models": [model(worker_tls={"ca": "/no/ca.pem"})]}, "models[0].worker_tls.ca"),
         ({"models": [model(worker_tls={"cert": __file__})]}, "models[0].worker_tls"),
