@@ -6,6 +6,8 @@
 #include <string>
 #include <unordered_set>
 
+#include "wire.h"
+
 namespace switchyard::rt {
 
 namespace {
@@ -53,7 +55,7 @@ wv1::KvEventBatch to_batch(const KvCacheEvents& events, const AdapterNamer& name
 }
 
 // One SubscribeKvEvents call: batches queue here and go out one write at a time.
-class KvSubscriber final : public grpc::ServerWriteReactor<wv1::KvEventBatch> {
+class KvSubscriber final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   KvSubscriber(KvEventHub* hub, std::vector<wv1::KvEventBatch> first) : hub_(hub) {
     for (auto& batch : first) queue_.push_back(std::move(batch));
@@ -118,7 +120,15 @@ class KvSubscriber final : public grpc::ServerWriteReactor<wv1::KvEventBatch> {
     queue_.pop_front();
     write_pending_ = true;
     lock.unlock();
-    StartWrite(&current_);
+    if (auto s = serialize(current_, &current_bytes_); !s.ok()) {
+      lock.lock();
+      finished_ = true;
+      queue_.clear();
+      lock.unlock();
+      Finish(s);
+      return;
+    }
+    StartWrite(&current_bytes_);
   }
 
   void maybe_finish(std::unique_lock<std::mutex>& lock) {
@@ -136,7 +146,8 @@ class KvSubscriber final : public grpc::ServerWriteReactor<wv1::KvEventBatch> {
   std::shared_ptr<KvSubscriber> self_;  // held until OnDone
   std::mutex mu_;
   std::deque<wv1::KvEventBatch> queue_;
-  wv1::KvEventBatch current_;  // the write in flight
+  wv1::KvEventBatch current_;        // the write in flight
+  grpc::ByteBuffer current_bytes_;  // current_, serialized: kept until OnWriteDone
   bool write_pending_ = false;
   bool cancelled_ = false;
   bool behind_ = false;
@@ -223,7 +234,7 @@ std::vector<wv1::KvEventBatch> KvEventHub::snapshot_locked() const {
   return out;
 }
 
-grpc::ServerWriteReactor<wv1::KvEventBatch>* KvEventHub::subscribe() {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvEventHub::subscribe() {
   std::shared_ptr<KvSubscriber> s;
   if (!enabled_) {
     s = std::make_shared<KvSubscriber>(grpc::Status(

@@ -47,7 +47,8 @@ class KvEventHub {
   KvEventHub& operator=(const KvEventHub&) = delete;
 
   bool enabled() const { return enabled_; }
-  grpc::ServerWriteReactor<wv1::KvEventBatch>* subscribe();
+  // A raw reactor: KvEventBatch messages, serialized.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* subscribe();
   void remove(KvSubscriber* subscriber);
   std::uint64_t sequence() const;
   std::size_t held_blocks() const;  // what the engine holds, as its events said

@@ -26,6 +26,7 @@
 #include "dispatcher.h"
 #include "engine_config.h"
 #include "sim_executor.h"
+#include "worker_log.h"
 #include "worker_service.h"
 #ifdef SWITCHYARD_WITH_TRTLLM
 #include "trtllm_executor.h"
@@ -34,6 +35,7 @@
 namespace {
 
 using switchyard::rt::Executor;
+using switchyard::rt::log;
 
 struct Args {
   std::map<std::string, std::string> kv;
@@ -73,11 +75,6 @@ const char* kUsage =
     "    [--structured-output 1] (with --tokenizer: guided decoding by xgrammar)\n"
     "  switchyard-cpp-worker --check-engine ENGINE_DIR [trtllm flags]: read and check the\n"
     "    engine directory, print what GetInfo would report as JSON, exit 0 (or 2: the field)\n";
-
-void log(const std::string& event, const std::string& fields = "") {
-  // One line per event, key=value, on stderr (the Python side's console format).
-  std::cerr << "[cpp-worker] " << event << (fields.empty() ? "" : " ") << fields << std::endl;
-}
 
 Args parse(int argc, char** argv) {
   Args a;

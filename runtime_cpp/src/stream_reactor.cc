@@ -10,12 +10,14 @@
 #include <vector>
 
 #include "translate.h"
+#include "wire.h"
 
 namespace switchyard::rt {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr double kDeadlineMarginMs = 20.0;  // as for Generate: TIME_LIMIT arrives in time
+constexpr char kMethod[] = "/switchyard.worker.v1.Worker/GenerateStream";
 
 class StreamSession;
 
@@ -33,17 +35,18 @@ class SessionSink final : public StreamSink {
   const AttemptId attempt_;
 };
 
-class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, wv1::StreamResponse>,
+class StreamSession final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                             public std::enable_shared_from_this<StreamSession> {
  public:
-  StreamSession(Executor& executor, Dispatcher& dispatcher, AdapterRegistry& adapters,
-                const EngineInfo& info, std::atomic<int>& live, const std::atomic<bool>& draining)
-      : executor_(executor), dispatcher_(dispatcher), adapters_(adapters), info_(info),
-        live_(live), draining_(draining) {}
+  StreamSession(grpc::CallbackServerContext* context, Executor& executor, Dispatcher& dispatcher,
+                AdapterRegistry& adapters, const EngineInfo& info, std::atomic<int>& live,
+                const std::atomic<bool>& draining)
+      : context_(context), executor_(executor), dispatcher_(dispatcher), adapters_(adapters),
+        info_(info), live_(live), draining_(draining) {}
 
   void begin() {
     self_ = shared_from_this();
-    StartRead(&in_);
+    StartRead(&in_bytes_);
   }
 
   void OnReadDone(bool ok) override {
@@ -56,6 +59,9 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (finished_) return;  // cancelled meanwhile: start nothing, read no more
+    }
+    if (auto parsed = parse_request(context_, kMethod, in_bytes_, &in_); !parsed.ok()) {
+      return fail(std::move(parsed));  // read no more
     }
     // Cancels first: a start that the same message cancels is never started.
     const std::unordered_set<AttemptId> cancels(in_.cancel().begin(), in_.cancel().end());
@@ -71,7 +77,7 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
       std::lock_guard<std::mutex> lock(mu_);
       if (finished_) return;  // cancelled while handling this message: Finish is called
     }
-    StartRead(&in_);
+    StartRead(&in_bytes_);
   }
 
   void OnWriteDone(bool ok) override {
@@ -268,6 +274,20 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
     pending_.Swap(&kept);
   }
 
+  // Ends the call with `status` (once the write in flight is done), cancelling its
+  // requests as OnCancel does.
+  void fail(grpc::Status status) {
+    std::vector<RequestId> ids;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (failure_.ok()) failure_ = std::move(status);
+      ids = take_all_locked();
+    }
+    abandon(ids);  // no lock held
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!write_in_flight_) write_next_locked(lock);
+  }
+
   std::vector<RequestId> take_all_locked() {
     std::vector<RequestId> ids;
     for (const auto& [attempt, req] : requests_) {
@@ -318,10 +338,12 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
   // Chooses the next action with `mu_` held, then releases it before calling gRPC.
   void write_next_locked(std::unique_lock<std::mutex>& lock) {
     if (finished_) return;
-    if (cancelled_) {
+    if (cancelled_ || !failure_.ok()) {
       finished_ = true;
+      const grpc::Status status =
+          failure_.ok() ? grpc::Status(grpc::StatusCode::CANCELLED, "cancelled") : failure_;
       lock.unlock();
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+      Finish(status);
       return;
     }
     if (pending_.events_size() > 0) {
@@ -330,7 +352,13 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
       open_chunks_.clear();
       write_in_flight_ = true;
       lock.unlock();
-      StartWrite(&out_);
+      if (auto s = serialize(out_, &out_bytes_); !s.ok()) {
+        lock.lock();
+        write_in_flight_ = false;  // none started
+        lock.unlock();
+        return fail(std::move(s));
+      }
+      StartWrite(&out_bytes_);
       return;
     }
     if (reads_done_ && requests_.empty()) {
@@ -340,6 +368,7 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
     }
   }
 
+  grpc::CallbackServerContext* const context_;  // the call's: valid until OnDone
   Executor& executor_;
   Dispatcher& dispatcher_;
   AdapterRegistry& adapters_;
@@ -347,13 +376,16 @@ class StreamSession final : public grpc::ServerBidiReactor<wv1::StreamRequest, w
   std::atomic<int>& live_;
   const std::atomic<bool>& draining_;
   std::shared_ptr<StreamSession> self_;  // held until OnDone
-  wv1::StreamRequest in_;                // touched by the read side only
+  grpc::ByteBuffer in_bytes_;            // the read side's: the message as read
+  wv1::StreamRequest in_;                // and parsed
 
   std::mutex mu_;
   std::unordered_map<AttemptId, Request> requests_;
   std::unordered_map<AttemptId, int> open_chunks_;  // attempt -> its event in pending_
   wv1::StreamResponse pending_;
-  wv1::StreamResponse out_;  // the message being written
+  wv1::StreamResponse out_;     // the message being written
+  grpc::ByteBuffer out_bytes_;  // out_, serialized: kept until OnWriteDone
+  grpc::Status failure_;        // what ends the call, once not OK
   bool write_in_flight_ = false;
   bool reads_done_ = false;
   bool cancelled_ = false;
@@ -366,11 +398,12 @@ void SessionSink::on_response(GenResponse&& response) {
 
 }  // namespace
 
-grpc::ServerBidiReactor<wv1::StreamRequest, wv1::StreamResponse>* start_generate_stream(
-    Executor& executor, Dispatcher& dispatcher, AdapterRegistry& adapters, const EngineInfo& info,
-    std::atomic<int>& live, const std::atomic<bool>& draining) {
-  auto session =
-      std::make_shared<StreamSession>(executor, dispatcher, adapters, info, live, draining);
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* start_generate_stream(
+    grpc::CallbackServerContext* context, Executor& executor, Dispatcher& dispatcher,
+    AdapterRegistry& adapters, const EngineInfo& info, std::atomic<int>& live,
+    const std::atomic<bool>& draining) {
+  auto session = std::make_shared<StreamSession>(context, executor, dispatcher, adapters, info,
+                                                 live, draining);
   session->begin();
   return session.get();
 }

@@ -7,7 +7,8 @@
 // the pending StreamResponse (an attempt's consecutive chunks merge into one event).
 // Exactly one write is in flight; everything that arrives meanwhile goes out in the next
 // message, so one message carries the news of every request that has some. Cancelling
-// the call cancels every request on it.
+// the call cancels every request on it; so does a message that is not a valid
+// StreamRequest, which ends that call INVALID_ARGUMENT.
 #pragma once
 
 #include <atomic>
@@ -22,10 +23,12 @@ namespace switchyard::rt {
 
 namespace wv1 = ::switchyard::worker::v1;
 
-// Creates the reactor for one GenerateStream call. `live` counts the requests in flight
-// on all sessions (a drain waits for them); `draining` refuses new starts.
-grpc::ServerBidiReactor<wv1::StreamRequest, wv1::StreamResponse>* start_generate_stream(
-    Executor& executor, Dispatcher& dispatcher, AdapterRegistry& adapters, const EngineInfo& info,
-    std::atomic<int>& live, const std::atomic<bool>& draining);
+// Creates the raw reactor for one GenerateStream call (StreamRequest in, StreamResponse
+// out). `live` counts the requests in flight on all sessions (a drain waits for them);
+// `draining` refuses new starts.
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* start_generate_stream(
+    grpc::CallbackServerContext* context, Executor& executor, Dispatcher& dispatcher,
+    AdapterRegistry& adapters, const EngineInfo& info, std::atomic<int>& live,
+    const std::atomic<bool>& draining);
 
 }  // namespace switchyard::rt

@@ -7,8 +7,6 @@
 #include <chrono>
 #include <mutex>
 
-#include "google/rpc/error_details.pb.h"
-#include "google/rpc/status.pb.h"
 #include "stream_reactor.h"
 #include "translate.h"
 
@@ -25,7 +23,7 @@ double ms_since(Clock::time_point t) {
 
 // The stream of one Generate call. The reactor lives until OnDone; the dispatcher may
 // hold this object longer, so everything it touches after Finish is guarded by `done_`.
-class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateResponse>,
+class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
                               public StreamSink {
  public:
   GenerateReactor(Executor& executor, Dispatcher& dispatcher, AdapterRegistry& adapters,
@@ -175,7 +173,12 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
     }
     write_in_flight_ = true;
     lock.unlock();
-    StartWrite(&out_);
+    if (auto s = serialize(out_, &out_bytes_); !s.ok()) {
+      cancel_engine_request();
+      finish_now(s);
+      return;
+    }
+    StartWrite(&out_bytes_);
   }
 
   // Cancels the engine request unless it finished (or was cancelled) already: once, from
@@ -212,6 +215,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
   std::mutex mu_;
   wv1::GenerateResponse pending_;  // coalesced tokens not yet written
   wv1::GenerateResponse out_;      // the message being written
+  grpc::ByteBuffer out_bytes_;     // out_, serialized: kept until OnWriteDone
   std::unique_ptr<GenResponse> final_;
   std::int32_t completion_tokens_ = 0;
   std::optional<TokenId> last_token_;
@@ -226,7 +230,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<wv1::GenerateRespo
 
 // One StreamLoad call. The service's ticker thread starts each write when the report is
 // due; like GenerateReactor, the decision is made under `mu_` and gRPC is called after.
-class LoadReactor final : public grpc::ServerWriteReactor<wv1::LoadReport>, public LoadStream {
+class LoadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public LoadStream {
  public:
   LoadReactor(WorkerService& service, std::chrono::milliseconds interval)
       : service_(service), interval_(interval) {}
@@ -246,7 +250,15 @@ class LoadReactor final : public grpc::ServerWriteReactor<wv1::LoadReport>, publ
     } catch (const std::exception&) {
       report_.Clear();  // an empty report beats a dead stream
     }
-    StartWrite(&report_);
+    if (auto s = serialize(report_, &report_bytes_); !s.ok()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        finished_ = true;
+      }
+      Finish(s);
+      return;
+    }
+    StartWrite(&report_bytes_);
   }
 
   void OnWriteDone(bool ok) override {
@@ -281,6 +293,7 @@ class LoadReactor final : public grpc::ServerWriteReactor<wv1::LoadReport>, publ
   const std::chrono::milliseconds interval_;
   std::shared_ptr<LoadReactor> self_;  // held until OnDone
   wv1::LoadReport report_;             // touched only while a write is being started
+  grpc::ByteBuffer report_bytes_;      // report_, serialized: kept until OnWriteDone
   std::mutex mu_;
   std::chrono::steady_clock::time_point due_{};
   bool write_pending_ = false;
@@ -289,23 +302,6 @@ class LoadReactor final : public grpc::ServerWriteReactor<wv1::LoadReport>, publ
 };
 
 }  // namespace
-
-grpc::Status field_status(grpc::StatusCode code, const std::string& field,
-                          const std::string& message) {
-  google::rpc::BadRequest bad;
-  auto* v = bad.add_field_violations();
-  v->set_field(field);
-  v->set_description(message);
-  google::rpc::Status status;
-  status.set_code(static_cast<int>(code));
-  status.set_message(field + ": " + message);
-  status.add_details()->PackFrom(bad);
-  return grpc::Status(code, status.message(), status.SerializeAsString());
-}
-
-grpc::Status invalid_argument(const std::string& field, const std::string& message) {
-  return field_status(grpc::StatusCode::INVALID_ARGUMENT, field, message);
-}
 
 WorkerService::WorkerService(Executor& executor, Dispatcher& dispatcher)
     : executor_(executor), dispatcher_(dispatcher), info_(executor.info()), adapters_(executor),
@@ -318,8 +314,11 @@ WorkerService::WorkerService(Executor& executor, Dispatcher& dispatcher)
   dispatcher_.set_on_over([this](RequestId id) { adapters_.release(id); });
 }
 
-grpc::ServerWriteReactor<wv1::GenerateResponse>* WorkerService::Generate(
-    grpc::CallbackServerContext* context, const wv1::GenerateRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* WorkerService::Generate(
+    grpc::CallbackServerContext* context, const Bytes* body) {
+  wv1::GenerateRequest request;
+  auto parsed = parse_request(context, "/switchyard.worker.v1.Worker/Generate", *body, &request);
+  if (!parsed.ok()) return finished_writer(std::move(parsed));
   auto reactor =
       std::make_shared<GenerateReactor>(executor_, dispatcher_, adapters_, live_streams_);
   GenerateReactor* raw = reactor.get();
@@ -327,22 +326,25 @@ grpc::ServerWriteReactor<wv1::GenerateResponse>* WorkerService::Generate(
     raw->refuse(std::move(reactor),
                 grpc::Status(grpc::StatusCode::UNAVAILABLE, "the worker is draining"));
   } else {
-    raw->start(context, *request, info_, std::move(reactor));
+    raw->start(context, request, info_, std::move(reactor));
   }
   return raw;
 }
 
-grpc::ServerBidiReactor<wv1::StreamRequest, wv1::StreamResponse>* WorkerService::GenerateStream(
-    grpc::CallbackServerContext*) {
-  return start_generate_stream(executor_, dispatcher_, adapters_, info_, live_streams_,
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* WorkerService::GenerateStream(
+    grpc::CallbackServerContext* context) {
+  return start_generate_stream(context, executor_, dispatcher_, adapters_, info_, live_streams_,
                                draining_);
 }
 
 grpc::ServerUnaryReactor* WorkerService::Abort(grpc::CallbackServerContext* context,
-                                               const wv1::AbortRequest* request,
-                                               wv1::AbortResponse* response) {
+                                               const Bytes* body, Bytes* response) {
+  auto* reactor = context->DefaultReactor();
+  wv1::AbortRequest request;
+  const char* method = "/switchyard.worker.v1.Worker/Abort";
+  if (!parse_unary(context, method, *body, &request, reactor)) return reactor;
   std::uint32_t aborted = 0;
-  for (const auto& name : request->request_ids()) {
+  for (const auto& name : request.request_ids()) {
     if (auto id = dispatcher_.find(name)) {
       try {
         executor_.cancel(*id);
@@ -351,37 +353,41 @@ grpc::ServerUnaryReactor* WorkerService::Abort(grpc::CallbackServerContext* cont
       }
     }
   }
-  response->set_aborted(aborted);
-  auto* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
+  wv1::AbortResponse reply;
+  reply.set_aborted(aborted);
+  finish_unary(reactor, reply, response);
   return reactor;
 }
 
 void fill_adapter(const AdapterInfo& a, wv1::AdapterInfo* out);
 
 grpc::ServerUnaryReactor* WorkerService::GetInfo(grpc::CallbackServerContext* context,
-                                                 const wv1::GetInfoRequest*,
-                                                 wv1::GetInfoResponse* response) {
-  response->set_engine(info_.engine);
-  response->set_engine_version(info_.engine_version);
-  response->set_model(info_.model);
-  response->set_max_context(static_cast<std::uint32_t>(info_.max_context));
-  response->set_vocab_size(static_cast<std::uint32_t>(info_.vocab_size));
-  for (auto id : info_.eos_token_ids) response->add_eos_token_ids(static_cast<std::uint32_t>(id));
-  response->set_kv_block_size(static_cast<std::uint32_t>(info_.tokens_per_block));
-  response->set_generate_stream(true);
-  response->set_tensor_parallel_size(static_cast<std::uint32_t>(info_.tensor_parallel_size));
-  response->set_pipeline_parallel_size(static_cast<std::uint32_t>(info_.pipeline_parallel_size));
-  response->set_quantization(info_.quantization);
-  response->set_weight_dtype(info_.weight_dtype);
-  response->set_kv_cache_dtype(info_.kv_cache_dtype);
-  response->set_max_input_len(static_cast<std::uint32_t>(info_.max_input_len));
-  response->set_max_batch_size(static_cast<std::uint32_t>(info_.max_batch_size));
-  response->set_max_num_tokens(static_cast<std::uint32_t>(info_.max_num_tokens));
+                                                 const Bytes* body, Bytes* response) {
+  auto* reactor = context->DefaultReactor();
+  wv1::GetInfoRequest request;
+  const char* method = "/switchyard.worker.v1.Worker/GetInfo";
+  if (!parse_unary(context, method, *body, &request, reactor)) return reactor;
+  wv1::GetInfoResponse reply;
+  reply.set_engine(info_.engine);
+  reply.set_engine_version(info_.engine_version);
+  reply.set_model(info_.model);
+  reply.set_max_context(static_cast<std::uint32_t>(info_.max_context));
+  reply.set_vocab_size(static_cast<std::uint32_t>(info_.vocab_size));
+  for (auto id : info_.eos_token_ids) reply.add_eos_token_ids(static_cast<std::uint32_t>(id));
+  reply.set_kv_block_size(static_cast<std::uint32_t>(info_.tokens_per_block));
+  reply.set_generate_stream(true);
+  reply.set_tensor_parallel_size(static_cast<std::uint32_t>(info_.tensor_parallel_size));
+  reply.set_pipeline_parallel_size(static_cast<std::uint32_t>(info_.pipeline_parallel_size));
+  reply.set_quantization(info_.quantization);
+  reply.set_weight_dtype(info_.weight_dtype);
+  reply.set_kv_cache_dtype(info_.kv_cache_dtype);
+  reply.set_max_input_len(static_cast<std::uint32_t>(info_.max_input_len));
+  reply.set_max_batch_size(static_cast<std::uint32_t>(info_.max_batch_size));
+  reply.set_max_num_tokens(static_cast<std::uint32_t>(info_.max_num_tokens));
   // What this worker passes on to its engine: the sampled token's log probability (no
   // top-n alternatives), one sample per request, and the structured output the engine
   // was configured for.
-  auto* caps = response->mutable_capabilities();
+  auto* caps = reply.mutable_capabilities();
   caps->set_max_logprobs(0);
   caps->set_max_n(1);
   for (const auto& kind : info_.structured_output) caps->add_structured_output(kind);
@@ -392,8 +398,8 @@ grpc::ServerUnaryReactor* WorkerService::GetInfo(grpc::CallbackServerContext* co
   caps->set_max_lora_rank(static_cast<std::uint32_t>(info_.max_lora_rank));
   caps->set_beam_search(info_.max_beam_width > 1);
   caps->set_max_beam_width(static_cast<std::uint32_t>(info_.max_beam_width > 1 ? info_.max_beam_width : 0));
-  for (const auto& a : adapters_.list()) fill_adapter(a, response->add_adapters());
-  response->set_kv_events(kv_hub_.enabled());
+  for (const auto& a : adapters_.list()) fill_adapter(a, reply.add_adapters());
+  reply.set_kv_events(kv_hub_.enabled());
   // Known only once the engine has run where the engine sizes its cache at start-up.
   std::int32_t blocks = info_.kv_blocks_total;
   try {
@@ -401,14 +407,13 @@ grpc::ServerUnaryReactor* WorkerService::GetInfo(grpc::CallbackServerContext* co
       if (auto s = executor_.latest_stats()) blocks = s->kv_blocks_max;  // no lock held
     }
     const GpuMemory memory = executor_.gpu_memory();
-    response->set_gpu_memory_used_bytes(memory.used_bytes);
-    response->set_gpu_memory_total_bytes(memory.total_bytes);
+    reply.set_gpu_memory_used_bytes(memory.used_bytes);
+    reply.set_gpu_memory_total_bytes(memory.total_bytes);
   } catch (const std::exception&) {
     // The engine is going away; the static facts still answer.
   }
-  response->set_kv_blocks_total(static_cast<std::uint32_t>(std::max(0, blocks)));
-  auto* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
+  reply.set_kv_blocks_total(static_cast<std::uint32_t>(std::max(0, blocks)));
+  finish_unary(reactor, reply, response);
   return reactor;
 }
 
@@ -420,42 +425,48 @@ void fill_adapter(const AdapterInfo& a, wv1::AdapterInfo* out) {
 }
 
 grpc::ServerUnaryReactor* WorkerService::LoadAdapter(grpc::CallbackServerContext* context,
-                                                     const wv1::LoadAdapterRequest* request,
-                                                     wv1::LoadAdapterResponse* response) {
-  // Reading the adapter takes a while; off the gRPC thread, like UnloadAdapter's wait.
+                                                     const Bytes* body, Bytes* response) {
   auto* reactor = context->DefaultReactor();
-  run_off_thread([this, request, response, reactor] {
+  wv1::LoadAdapterRequest request;
+  const char* method = "/switchyard.worker.v1.Worker/LoadAdapter";
+  if (!parse_unary(context, method, *body, &request, reactor)) return reactor;
+  // Reading the adapter takes a while; off the gRPC thread, like UnloadAdapter's wait.
+  run_off_thread([this, request = std::move(request), response, reactor] {
     AdapterRefusal why;
-    auto loaded = adapters_.load(request->name(), request->path(), &why);
+    auto loaded = adapters_.load(request.name(), request.path(), &why);
     if (!loaded) {
       reactor->Finish(field_status(adapter_code(why), why.field, why.message));
       return;
     }
-    fill_adapter(*loaded, response->mutable_adapter());
-    reactor->Finish(grpc::Status::OK);
+    wv1::LoadAdapterResponse reply;
+    fill_adapter(*loaded, reply.mutable_adapter());
+    finish_unary(reactor, reply, response);
   });
   return reactor;
 }
 
 grpc::ServerUnaryReactor* WorkerService::UnloadAdapter(grpc::CallbackServerContext* context,
-                                                       const wv1::UnloadAdapterRequest* request,
-                                                       wv1::UnloadAdapterResponse* response) {
+                                                       const Bytes* body, Bytes* response) {
   auto* reactor = context->DefaultReactor();
+  wv1::UnloadAdapterRequest request;
+  const char* method = "/switchyard.worker.v1.Worker/UnloadAdapter";
+  if (!parse_unary(context, method, *body, &request, reactor)) return reactor;
   if (!info_.lora) {
     reactor->Finish(field_status(grpc::StatusCode::FAILED_PRECONDITION, "name",
                                  "this engine was started without LoRA; it holds no adapters"));
     return reactor;
   }
-  run_off_thread([this, request, response, reactor] {
-    auto done = adapters_.unload(request->name(), std::chrono::milliseconds(request->grace_ms()));
+  run_off_thread([this, request = std::move(request), response, reactor] {
+    auto done = adapters_.unload(request.name(), std::chrono::milliseconds(request.grace_ms()));
     if (!done) {
       reactor->Finish(field_status(grpc::StatusCode::NOT_FOUND, "name",
-                                   "adapter " + request->name() + " is not loaded"));
+                                   "adapter " + request.name() + " is not loaded"));
       return;
     }
-    response->set_waited_requests(done->first);
-    response->set_cancelled_requests(done->second);
-    reactor->Finish(grpc::Status::OK);
+    wv1::UnloadAdapterResponse reply;
+    reply.set_waited_requests(done->first);
+    reply.set_cancelled_requests(done->second);
+    finish_unary(reactor, reply, response);
   });
   return reactor;
 }
@@ -482,14 +493,21 @@ void WorkerService::run_off_thread(std::function<void()> work) {
   for (auto& t : finished) t.join();  // no lock held; each has returned already
 }
 
-grpc::ServerWriteReactor<wv1::KvEventBatch>* WorkerService::SubscribeKvEvents(
-    grpc::CallbackServerContext*, const wv1::SubscribeKvEventsRequest*) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* WorkerService::SubscribeKvEvents(
+    grpc::CallbackServerContext* context, const Bytes* body) {
+  wv1::SubscribeKvEventsRequest request;
+  auto parsed =
+      parse_request(context, "/switchyard.worker.v1.Worker/SubscribeKvEvents", *body, &request);
+  if (!parsed.ok()) return finished_writer(std::move(parsed));
   return kv_hub_.subscribe();
 }
 
-grpc::ServerWriteReactor<wv1::LoadReport>* WorkerService::StreamLoad(
-    grpc::CallbackServerContext*, const wv1::StreamLoadRequest* request) {
-  const std::uint32_t ms = request->interval_ms() ? request->interval_ms() : 500;
+grpc::ServerWriteReactor<grpc::ByteBuffer>* WorkerService::StreamLoad(
+    grpc::CallbackServerContext* context, const Bytes* body) {
+  wv1::StreamLoadRequest request;
+  auto parsed = parse_request(context, "/switchyard.worker.v1.Worker/StreamLoad", *body, &request);
+  if (!parsed.ok()) return finished_writer(std::move(parsed));
+  const std::uint32_t ms = request.interval_ms() ? request.interval_ms() : 500;
   auto interval = std::chrono::milliseconds(std::clamp<std::uint32_t>(ms, 10, 60000));
   auto reactor = std::make_shared<LoadReactor>(*this, interval);
   reactor->attach(reactor);

@@ -4,6 +4,9 @@
 // arrive while a write is pending are coalesced into the next message, so a slow client
 // never blocks the engine or other streams. OnCancel cancels the executor request at once;
 // a stream that ends any other way before its request did cancels it too, once.
+//
+// Every method is raw (grpc::ByteBuffer in and out, see wire.h): a request that does not
+// parse is answered INVALID_ARGUMENT naming its message type.
 #pragma once
 
 #include <atomic>
@@ -19,6 +22,7 @@
 #include "executor.h"
 #include "kv_events_stream.h"
 #include "switchyard/worker/v1/worker.grpc.pb.h"
+#include "wire.h"
 
 namespace switchyard::rt {
 
@@ -31,31 +35,39 @@ class LoadStream {
   virtual void tick(std::chrono::steady_clock::time_point now) = 0;
 };
 
-class WorkerService final : public ::switchyard::worker::v1::Worker::CallbackService {
+// Worker::Service with all eight methods raw.
+using RawWorkerService = wv1::Worker::WithRawCallbackMethod_Generate<
+    wv1::Worker::WithRawCallbackMethod_GenerateStream<wv1::Worker::WithRawCallbackMethod_Abort<
+        wv1::Worker::WithRawCallbackMethod_GetInfo<wv1::Worker::WithRawCallbackMethod_StreamLoad<
+            wv1::Worker::WithRawCallbackMethod_LoadAdapter<
+                wv1::Worker::WithRawCallbackMethod_UnloadAdapter<
+                    wv1::Worker::WithRawCallbackMethod_SubscribeKvEvents<
+                        wv1::Worker::Service>>>>>>>>;
+
+class WorkerService final : public RawWorkerService {
  public:
+  using Bytes = grpc::ByteBuffer;
+
   WorkerService(Executor& executor, Dispatcher& dispatcher);
   ~WorkerService() override;  // stops and joins the ticker
 
-  grpc::ServerWriteReactor<wv1::GenerateResponse>* Generate(
-      grpc::CallbackServerContext* context, const wv1::GenerateRequest* request) override;
-  grpc::ServerBidiReactor<wv1::StreamRequest, wv1::StreamResponse>* GenerateStream(
+  // Each parses its request message itself and serializes what it answers (wire.h).
+  grpc::ServerWriteReactor<Bytes>* Generate(grpc::CallbackServerContext* context,
+                                            const Bytes* request) override;
+  grpc::ServerBidiReactor<Bytes, Bytes>* GenerateStream(
       grpc::CallbackServerContext* context) override;
-  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
-                                  const wv1::AbortRequest* request,
-                                  wv1::AbortResponse* response) override;
-  grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* context,
-                                    const wv1::GetInfoRequest* request,
-                                    wv1::GetInfoResponse* response) override;
-  grpc::ServerWriteReactor<wv1::LoadReport>* StreamLoad(
-      grpc::CallbackServerContext* context, const wv1::StreamLoadRequest* request) override;
+  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context, const Bytes* request,
+                                  Bytes* response) override;
+  grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* context, const Bytes* request,
+                                    Bytes* response) override;
+  grpc::ServerWriteReactor<Bytes>* StreamLoad(grpc::CallbackServerContext* context,
+                                              const Bytes* request) override;
   grpc::ServerUnaryReactor* LoadAdapter(grpc::CallbackServerContext* context,
-                                        const wv1::LoadAdapterRequest* request,
-                                        wv1::LoadAdapterResponse* response) override;
+                                        const Bytes* request, Bytes* response) override;
   grpc::ServerUnaryReactor* UnloadAdapter(grpc::CallbackServerContext* context,
-                                          const wv1::UnloadAdapterRequest* request,
-                                          wv1::UnloadAdapterResponse* response) override;
-  grpc::ServerWriteReactor<wv1::KvEventBatch>* SubscribeKvEvents(
-      grpc::CallbackServerContext* context, const wv1::SubscribeKvEventsRequest* request) override;
+                                          const Bytes* request, Bytes* response) override;
+  grpc::ServerWriteReactor<Bytes>* SubscribeKvEvents(grpc::CallbackServerContext* context,
+                                                     const Bytes* request) override;
 
   // Fills a load report from the executor's latest iteration and the streams in flight.
   void fill_load(wv1::LoadReport* report);
@@ -93,10 +105,5 @@ class WorkerService final : public ::switchyard::worker::v1::Worker::CallbackSer
   KvEventHub kv_hub_;   // its pump thread reads the executor's KV-cache events
   std::thread ticker_;  // last: starts once everything above exists
 };
-
-// A google.rpc.Status with one BadRequest field violation, as gRPC error details.
-grpc::Status field_status(grpc::StatusCode code, const std::string& field,
-                          const std::string& message);
-grpc::Status invalid_argument(const std::string& field, const std::string& message);
 
 }  // namespace switchyard::rt

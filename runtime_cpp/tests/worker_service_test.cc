@@ -440,7 +440,8 @@ TEST_F(WorkerServiceTest, GenerateClientGoneMidWriteCancelsTheEngineRequestOnce)
 TEST_F(WorkerServiceTest, GenerateEndedByAFailedWriteCancelsTheEngineRequestOnce) {
   start(config(1000));
   grpc::CallbackServerContext ctx;
-  const auto req = gen(5000, "write-fails");
+  grpc::ByteBuffer req;
+  ASSERT_TRUE(serialize(gen(5000, "write-fails"), &req).ok());
   auto* reactor = service_->Generate(&ctx, &req);
   ASSERT_TRUE(eventually([&] {
     auto s = sim_->latest_stats();
