@@ -18,6 +18,7 @@ from grpc_status import rpc_status
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from control.fleet.supervisor import cpp_worker_binary, free_port
+from tests.fuzz.test_public_api import worker_in_flight
 from tests.procs import Proc, start_process, wait_serving
 
 # A truncated varint where a field tag belongs: no message parses it (random bytes may).
@@ -100,16 +101,6 @@ def log_since(proc: Proc, mark: int) -> str:
     return proc.log_path.read_text(errors="replace")[mark:]
 
 
-def in_flight(address: str) -> int:
-    """What the worker's load report counts: in flight, running and waiting."""
-    with grpc.insecure_channel(address) as channel:
-        stub: Any = worker_pb2_grpc.WorkerStub(channel)
-        call = stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=10), timeout=5)
-        report = next(iter(call))
-        call.cancel()
-        return int(report.in_flight) + int(report.running) + int(report.waiting)
-
-
 def test_every_rpc_answers_a_body_that_does_not_parse(worker: Proc) -> None:
     mark = len(worker.log_path.read_text(errors="replace"))
     with grpc.insecure_channel(worker.address) as channel:
@@ -127,7 +118,7 @@ def test_every_rpc_answers_a_body_that_does_not_parse(worker: Proc) -> None:
         assert logged[0].startswith("[cpp-worker] malformed request ")
         assert " peer=ipv4:127.0.0.1:" in logged[0]
         assert logged[0].endswith(f" bytes={len(GARBAGE)}")
-    assert in_flight(worker.address) == 0
+    assert worker_in_flight(worker.address) == 0
 
 
 def test_a_message_that_does_not_parse_fails_only_its_stream(worker: Proc) -> None:
@@ -189,7 +180,7 @@ def test_a_message_that_does_not_parse_fails_only_its_stream(worker: Proc) -> No
         assert good.code() is grpc.StatusCode.OK
 
     deadline = time.monotonic() + 10
-    while (left := in_flight(worker.address)) != 0:
+    while (left := worker_in_flight(worker.address)) != 0:
         assert time.monotonic() < deadline, f"{left} still in flight: the bad stream's request"
         time.sleep(0.05)
     logged = [line for line in log_since(worker, mark).splitlines() if "malformed request" in line]
