@@ -19,6 +19,7 @@ their environment only), and the supervisor adds them to its own at each scrape
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -44,6 +45,7 @@ __all__ = [
     "mark_process_dead",
     "request_ended",
     "router_env",
+    "sample_tasks",
     "scrape_registry",
 ]
 
@@ -148,6 +150,12 @@ RESUMES = Counter(
     "Failovers after the first token: another worker continued the stream.",
     ["model"],
 )
+EVENT_LOOP_TASKS = Gauge(
+    "switchyard_event_loop_tasks",
+    "asyncio tasks alive in the control plane's event loop (summed over its processes), "
+    "sampled every second: flat under any traffic that has ended, or something leaks.",
+    multiprocess_mode="livesum",
+)
 MALFORMED = Counter(
     "switchyard_malformed_requests",
     "Calls answered INVALID_ARGUMENT because their request body was not a valid encoding "
@@ -233,6 +241,13 @@ def request_ended(
     if child is None:
         child = cache[(rpc, code)] = REQUESTS.labels(model, rpc, code)
     child.inc()
+
+
+async def sample_tasks(every_s: float = 1.0) -> None:
+    """Keep switchyard_event_loop_tasks current, until cancelled."""
+    while True:
+        EVENT_LOOP_TASKS.set(len(asyncio.all_tasks()))
+        await asyncio.sleep(every_s)
 
 
 def malformed_request(method: str) -> None:

@@ -42,8 +42,9 @@ from control.fleet.gauges import FleetCollector
 from control.fleet.lifecycle import ModelLoader, StartupError
 from control.fleet.models import ModelRegistry
 from control.fleet.routers import AdminForwarder, RouterPool
-from control.metrics import malformed_request, scrape_registry
+from control.metrics import malformed_request, sample_tasks, scrape_registry
 from control.tracing import endpoint_from_env
+from switchyard_common.health import HealthServicer
 from switchyard_common.ports import bind, check_free
 from switchyard_common.tls import server_credentials
 from switchyard_common.wire import Wire
@@ -77,7 +78,7 @@ class ControlPlane:
         self.router_of = router_of
         self.ready_file = ready_file
         self.registry = ModelRegistry()
-        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        self.health = HealthServicer()
         listeners = max(1, listeners)
         self.shared_port = routers > 1 or router_of is not None or listeners > 1
         options = [
@@ -183,6 +184,7 @@ class ControlPlane:
             await self.pool.start(self._models())
         await self._update_health()
         self._health_task = asyncio.create_task(self._health_loop(), name="model health")
+        self._spawn(sample_tasks(), "count event-loop tasks")
         if self.tokens is not None:
             self._spawn(self._watch_tokens(), "watch tokens file")
         if self.forwarder is not None:

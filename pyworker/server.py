@@ -15,13 +15,11 @@ import signal
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-# grpcio-health-checking ships an asyncio servicer as `health.aio`; its stubs predate it.
-from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from pyworker.engine import Engine
 from pyworker.servicer import WorkerServicer
+from switchyard_common.health import HealthServicer
 from switchyard_common.ports import NO_REUSEPORT, Reservation, bind
 from switchyard_common.wire import DEFAULT_REQUEST_IDLE_S, Wire
 
@@ -60,7 +58,7 @@ class WorkerServer:
         self._address = listen_address(host, port)
         self._credentials = credentials  # TLS, or None: plaintext
         self._server = grpc.aio.server(options=[NO_REUSEPORT])
-        self._health = health_aio.HealthServicer()
+        self._health = HealthServicer()
         self.servicer = WorkerServicer(engine)
         self.port = 0
         self._stop = asyncio.Event()

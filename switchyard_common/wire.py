@@ -120,7 +120,8 @@ class Wire:
         async def call(_requests: object, context: Any) -> Any:
             await self._check_metadata(method, context)
             request = await self._first(method, type_name, parse, context)
-            return await inner(request, context)
+            answer = inner(request, context)
+            return (await answer) if inspect.isawaitable(answer) else answer
 
         return call
 

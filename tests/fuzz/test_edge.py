@@ -12,12 +12,14 @@ import random
 import socket
 import string
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2
 
 from control.fleet.supervisor import free_port
@@ -44,7 +46,19 @@ class Plane:
     proc: Proc
     host: str
     port: int
+    metrics: str  # host:port of /metrics
     pki: Pki | None = None
+
+    def tasks(self) -> int:
+        """The control plane's asyncio tasks, as its metrics say (sampled every second)."""
+        with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return next(
+            int(sample.value)
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "switchyard_event_loop_tasks"
+        )
 
     def ok(self) -> None:
         """A well-formed call, answered."""
@@ -67,12 +81,13 @@ def start_plane(tmp_path_factory: pytest.TempPathFactory, tls: bool) -> Iterator
     tmp = tmp_path_factory.mktemp("edge-tls" if tls else "edge")
     tokens = tmp / "tokens.yaml"
     tokens.write_text(f"tokens:\n  - {{name: edge, token: {TOKEN}, scopes: [generate, admin]}}\n")
-    port = free_port()
+    port, metrics = free_port(), free_port()
     pki = make_pki(tmp) if tls else None
     tls_line = f"tls: {{cert: {pki.server_cert}, key: {pki.server_key}}}\n" if pki else ""
     config = tmp / "edge.yaml"
     config.write_text(
         f"listen: 127.0.0.1:{port}\n{tls_line}"
+        f"metrics: {{listen: 127.0.0.1:{metrics}}}\n"
         f"auth: {{tokens_file: {tokens}}}\n"
         f"api: {{max_message_bytes: {MAX_MESSAGE}}}\n" + SIM
     )
@@ -80,7 +95,7 @@ def start_plane(tmp_path_factory: pytest.TempPathFactory, tls: bool) -> Iterator
     creds = grpc.ssl_channel_credentials(pki.ca) if pki else None
     try:
         wait_serving(proc, "", timeout=120, credentials=creds)
-        plane = Plane(proc, "127.0.0.1", port, pki)
+        plane = Plane(proc, "127.0.0.1", port, f"127.0.0.1:{metrics}", pki)
         _wait(lambda: _serves(plane), "the model to serve")
         yield plane
     finally:
@@ -255,7 +270,7 @@ def test_many_bad_attempts_leave_nothing_behind(
     for name in names:  # one of each first: what the server keeps from then on is its own
         KINDS[name][0](plane, rng)
     fds, rss = wire.usage(pid)
-    threads = _threads(pid)
+    threads, tasks = _threads(pid), plane.tasks()
     seen: Counter[str] = Counter()
     wrong: Counter[str] = Counter()
     for i in range(count):
@@ -266,11 +281,13 @@ def test_many_bad_attempts_leave_nothing_behind(
         if got != expected:
             wrong[f"{name}: {got}"] += 1
     _wait(lambda: wire.usage(pid)[0] <= fds + 2, "descriptors back to where they were")
+    _wait(lambda: plane.tasks() <= tasks + 2, "event-loop tasks back to where they were")
     after_fds, after_rss = wire.usage(pid)
     with capsys.disabled():
         print(
             f"\nedge attempts on the control plane: {count}, {dict(seen.most_common())}; "
             f"fds {fds} -> {after_fds}, threads {threads} -> {_threads(pid)}, "
+            f"event-loop tasks {tasks} -> {plane.tasks()}, "
             f"RSS {rss // 1024} -> {after_rss // 1024} MiB"
         )
     assert not wrong, dict(wrong)

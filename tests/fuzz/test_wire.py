@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import pytest
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 from switchyard.v1 import generation_pb2
 from switchyard.worker.v1 import worker_pb2
@@ -159,6 +160,18 @@ def test_a_bad_message_mid_stream_fails_only_its_stream(worker: Proc) -> None:
         events = [e for m in other for e in worker_pb2.StreamResponse.FromString(m).events]
         assert events[-1].WhichOneof("event") == "final", events[-1]
     assert _idle(worker.address)
+
+
+def test_health_lists_every_service(sim_plane: Proc) -> None:
+    """grpc.health.v1 List (the asyncio servicer of grpcio-health-checking leaves it
+    unimplemented): every service with its status."""
+    with grpc.insecure_channel(sim_plane.address) as channel:
+        listed = health_pb2_grpc.HealthStub(channel).List(
+            health_pb2.HealthListRequest(), timeout=10
+        )
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert listed.statuses["sim"].status == serving
+    assert listed.statuses["switchyard.v1.Generation"].status == serving
 
 
 def test_a_call_that_never_sends_its_request_ends_at_the_idle_limit(sim_plane: Proc) -> None:
