@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import inspect
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
@@ -61,7 +61,6 @@ class Wire:
     request_idle_s: float = DEFAULT_REQUEST_IDLE_S
     max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES
     on_malformed: MalformedHook | None = None
-    _services: list[str] = field(default_factory=list)
 
     def add(
         self, server: grpc.aio.Server, register: Callable[[Any, Any], None], servicer: Any
