@@ -266,7 +266,7 @@ def _targets(
     offline: float,
     conc: list[int],
 ) -> None:
-    """DESIGN.md section 5, each with its measured value from this run."""
+    """The service's speed targets, each with its measured value from this run."""
     top, low = max(conc), min(conc)
     sw = tput["switchyard"]
     rows = [
@@ -298,7 +298,7 @@ def _targets(
                 1.0,
             )
         )
-    add("## Targets (DESIGN.md section 5) in this run\n")
+    add("## Targets in this run\n")
     add("| target | measured | met |")
     add("|---|---|---|")
     for name, value, goal in rows:

@@ -18,7 +18,8 @@ models:
     engine_args: {max_model_len: 2048}   # vllm: any of vLLM's AsyncEngineArgs
     workers: []             # addresses of remote workers; when set, none is started
     routing: kv_aware       # kv_aware | least_load | prefix_affinity | power_of_two | round_robin
-                            # (default: kv_aware if the workers report KV events, else least_load)
+                            # | dynamo_cost | cache_aware (baselines for kv_aware; default:
+                            # kv_aware if the workers report KV events, else least_load)
     kv_aware: {overlap_weight: 1, prefill_weight: 1, eviction_weight: 2, load_weight: 0.01}
     limits: {max_concurrency: 256, max_queue: 1024}
     health: {canary_interval_s: 5, canary_timeout_s: 2, failure_threshold: 3}

@@ -62,7 +62,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class ControlPlane:
     """One control-plane process: the supervisor (and first router), or, with
-    `router_of`, one of the extra router processes it starts (see control/routers.py)."""
+    `router_of`, one of the extra router processes it starts (see control/fleet/routers.py)."""
 
     def __init__(
         self,
