@@ -4,7 +4,7 @@ Two workloads, both open loop (arrivals never wait for completions):
 
 - `WorkloadSpec` ("groups"): each request is one of `groups` system prompts plus a unique
   suffix; the shape the routing policies were first tuned on.
-- `TenantSpec` ("tenants", issue 14's traffic): many tenants, each with a system prompt of
+- `TenantSpec` ("tenants", the KV-routing traffic): many tenants, each with a system prompt of
   its own length and a Zipf popularity; multi-turn conversations whose every turn is the
   previous turn's prompt, the answer to it and a new user message (so each prompt extends
   an earlier one); and a share of one-off prompts that share nothing.

@@ -1,5 +1,5 @@
 """A fast engine on the H200: a Llama-3.2-1B shape, where the fronts, not the GPU, set
-the pace (issue 11). Run by `bench.gpu --phase PHASE` (scripts/gpu-bench.sh):
+the pace. Run by `bench.gpu --phase PHASE` (scripts/gpu-bench.sh):
 
     fast:  AsyncLLM in-process; `switchyard serve` with its vLLM worker: the worker called
            directly (GenerateStream), the control plane in one process, and router-only

@@ -1,4 +1,4 @@
-"""Where the engine core runs: does its CPU set the fast engine's pace? (issue 11)
+"""Where the engine core runs: does its CPU set the fast engine's pace?
 
 On the H200 the worker's engine, with the same settings, stat logger and batch of ~1000
 as AsyncLLM's in-process engine, stepped about a third slower, and its engine-core

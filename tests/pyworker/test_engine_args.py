@@ -28,7 +28,7 @@ LLAMA_8B = ModelFacts(
     num_hidden_layers=32,
     found=True,
 )
-# The settings the deployment guide discusses, with a value each (issue 10).
+# The settings the deployment guide discusses, with a value each.
 GUIDE_SETTINGS = {
     "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
