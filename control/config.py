@@ -43,6 +43,7 @@ import yaml
 from switchyard_common.wire import DEFAULT_MAX_METADATA_BYTES, DEFAULT_REQUEST_IDLE_S
 
 ENGINES = ("vllm", "trtllm", "sim")
+API_KEYS = {"reflection", "admin", "max_message_bytes", "max_metadata_bytes", "request_idle_s"}
 ROUTING_POLICIES = (
     "least_load",
     "prefix_affinity",
@@ -271,7 +272,7 @@ def parse_config(raw: object) -> ServeConfig:
     tokens_file = auth.get("tokens_file")
     if "auth" in raw and not (isinstance(tokens_file, str) and Path(tokens_file).is_file()):
         raise ConfigError("auth.tokens_file", f"expected a tokens file, got {tokens_file!r}")
-    api = _section(raw, "api", {"reflection", "admin", "max_message_bytes", "request_idle_s"}, "")
+    api = _section(raw, "api", API_KEYS, "")
     for flag in ("reflection", "admin"):
         if not isinstance(api.get(flag, True), bool):
             raise ConfigError(f"api.{flag}", f"expected true or false, got {api[flag]!r}")

@@ -223,3 +223,18 @@ def test_gpus_split_evenly_over_the_replicas_in_order() -> None:
     assert parse_config({"models": [ray]}).models[0].gpus == ("0",)
     (plain,) = parse_config({"models": [model()]}).models
     assert plain.gpus == () and plain.replica_gpus(0) == ()
+
+
+def test_the_transport_limits_load_and_a_bad_one_names_its_key(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "api: {max_metadata_bytes: 8192, request_idle_s: 2.5}\n"
+        "models: [{name: m, engine: sim, model: builtin:tiny}]\n"
+    )
+    loaded = load_config(config)
+    assert (loaded.max_metadata_bytes, loaded.request_idle_s) == (8192, 2.5)
+    config.write_text(
+        "api: {max_metadata_bytes: 1.5}\nmodels: [{name: m, engine: sim, model: builtin:tiny}]\n"
+    )
+    with pytest.raises(ConfigError, match=r"api\.max_metadata_bytes: expected an integer > 0"):
+        load_config(config)
