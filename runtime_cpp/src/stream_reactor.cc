@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "admit.h"
 #include "translate.h"
 #include "wire.h"
 
@@ -16,7 +17,6 @@ namespace switchyard::rt {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr double kDeadlineMarginMs = 20.0;  // as for Generate: TIME_LIMIT arrives in time
 constexpr char kMethod[] = "/switchyard.worker.v1.Worker/GenerateStream";
 
 class StreamSession;
@@ -182,40 +182,13 @@ class StreamSession final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     if (draining_.load()) {
       return refuse(attempt, grpc::StatusCode::UNAVAILABLE, {"", "the worker is draining"});
     }
-    double deadline_ms = -1;
-    if (request.timeout_ms() > 0) {
-      const double t = request.timeout_ms();
-      deadline_ms = std::max(0.0, t - std::min(kDeadlineMarginMs, t / 10));
+    const double left_ms = request.timeout_ms() > 0 ? request.timeout_ms() : -1;
+    Admitted admitted;
+    if (auto refused = admit(request, info_, engine_deadline_ms(left_ms), executor_, adapters_,
+                             Claim{}, &admitted)) {
+      return refuse(attempt, refused->code, refused->why);
     }
-    GenRequest gen;
-    FieldError bad;
-    if (!to_gen_request(request, info_, deadline_ms, &gen, &bad)) {
-      return refuse(attempt,
-                    bad.unsupported ? grpc::StatusCode::FAILED_PRECONDITION
-                                    : grpc::StatusCode::INVALID_ARGUMENT,
-                    bad);
-    }
-    const std::string& adapter = request.adapter();
-    if (!adapter.empty()) {
-      AdapterRefusal why;
-      gen.adapter = adapters_.acquire(adapter, &why);
-      if (!gen.adapter) return refuse(attempt, adapter_code(why), {why.field, why.message});
-    }
-    RequestId id = 0;
-    try {
-      id = executor_.enqueue(gen);  // no lock held
-    } catch (const InvalidRequest& e) {
-      if (gen.adapter) adapters_.unacquire(adapter);
-      return refuse(attempt, grpc::StatusCode::INVALID_ARGUMENT, {e.field(), e.message()});
-    } catch (const EngineFault& e) {
-      if (gen.adapter) adapters_.unacquire(adapter);
-      return refuse(attempt, grpc::StatusCode::INTERNAL, {"", std::string("engine: ") + e.what()});
-    } catch (const std::exception& e) {
-      if (gen.adapter) adapters_.unacquire(adapter);
-      return refuse(attempt, grpc::StatusCode::UNAVAILABLE,
-                    {"", std::string("engine: ") + e.what()});
-    }
-    if (gen.adapter) adapters_.bind(id, adapter);  // before add(): the final comes after
+    const RequestId id = admitted.id;
     bool gone = false;
     {
       // Known before the dispatcher can deliver: its responses wait (parked) until add().
@@ -224,7 +197,7 @@ class StreamSession final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       gone = it == requests_.end();  // the call was cancelled during the enqueue
       if (!gone) {
         it->second.id = id;
-        it->second.end_id = gen.end_id;
+        it->second.end_id = admitted.end_id;
       }
     }
     if (gone) {

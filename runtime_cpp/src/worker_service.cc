@@ -7,6 +7,7 @@
 #include <chrono>
 #include <mutex>
 
+#include "admit.h"
 #include "stream_reactor.h"
 #include "translate.h"
 
@@ -15,7 +16,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 // Part of the client's deadline kept back, so TIME_LIMIT reaches the client in time.
-constexpr double kDeadlineMarginMs = 20.0;
 
 double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
@@ -36,65 +36,32 @@ class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
   void start(grpc::CallbackServerContext* ctx, const wv1::GenerateRequest& req,
              const EngineInfo& info, std::shared_ptr<GenerateReactor> self) {
     self_ = std::move(self);
-    double deadline_ms = -1;
+    double left_ms = -1;
     auto deadline = ctx->deadline();
     if (deadline != std::chrono::system_clock::time_point::max()) {
-      auto left = std::chrono::duration<double, std::milli>(deadline -
-                                                            std::chrono::system_clock::now())
-                      .count();
-      deadline_ms = std::max(0.0, left - std::min(kDeadlineMarginMs, left / 10));
-    }
-    GenRequest gen;
-    FieldError err;
-    if (!to_gen_request(req, info, deadline_ms, &gen, &err)) {
-      finish_now(err.unsupported
-                     ? field_status(grpc::StatusCode::FAILED_PRECONDITION, err.field, err.message)
-                     : invalid_argument(err.field, err.message));
-      return;
+      left_ms = std::max(0.0, std::chrono::duration<double, std::milli>(
+                                  deadline - std::chrono::system_clock::now())
+                                  .count());
     }
     name_ = req.request_id();
     eos_ids_ = info.eos_token_ids;
-    end_id_ = gen.end_id;
     // Claim the id before the engine sees anything: a duplicate costs it nothing.
-    if (!dispatcher_.reserve(name_)) {
-      finish_now(grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
-                              "request_id " + name_ + " is already in flight"));
+    const Claim claim{[this]() -> std::optional<Refusal> {
+                        if (dispatcher_.reserve(name_)) return std::nullopt;
+                        return Refusal{grpc::StatusCode::ALREADY_EXISTS,
+                                       {"", "request_id " + name_ + " is already in flight"}};
+                      },
+                      [this] { dispatcher_.release(name_); }};
+    Admitted admitted;
+    if (auto refused = admit(req, info, engine_deadline_ms(left_ms), executor_, adapters_, claim,
+                             &admitted)) {
+      finish_now(refusal_status(*refused));
       return;
     }
-    const std::string& adapter = req.adapter();
-    if (!adapter.empty()) {
-      AdapterRefusal why;
-      gen.adapter = adapters_.acquire(adapter, &why);
-      if (!gen.adapter) {
-        dispatcher_.release(name_);
-        finish_now(field_status(adapter_code(why), why.field, why.message));
-        return;
-      }
-    }
-    try {
-      id_ = executor_.enqueue(gen);  // no lock held
-    } catch (const InvalidRequest& e) {
-      failed_enqueue(gen, adapter, invalid_argument(e.field(), e.message()));
-      return;
-    } catch (const EngineFault& e) {
-      failed_enqueue(gen, adapter,
-                     grpc::Status(grpc::StatusCode::INTERNAL, std::string("engine: ") + e.what()));
-      return;
-    } catch (const std::exception& e) {
-      failed_enqueue(gen, adapter, grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                                std::string("engine: ") + e.what()));
-      return;
-    }
-    if (gen.adapter) adapters_.bind(id_, adapter);  // before add(): the final comes after
+    id_ = admitted.id;
+    end_id_ = admitted.end_id;
     dispatcher_.add(id_, name_, self_);  // cannot fail: the name is ours
     enqueued_.store(true);
-  }
-
-  void failed_enqueue(const GenRequest& gen, const std::string& adapter,
-                      const grpc::Status& status) {
-    dispatcher_.release(name_);
-    if (gen.adapter) adapters_.unacquire(adapter);
-    finish_now(status);
   }
 
   void refuse(std::shared_ptr<GenerateReactor> self, const grpc::Status& status) {
