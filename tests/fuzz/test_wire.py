@@ -18,9 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
 from switchyard.v1 import generation_pb2
 from switchyard.worker.v1 import worker_pb2
 
@@ -82,36 +80,12 @@ def worker_rpcs() -> list[wire.Rpc]:
     return [*wire.worker_rpcs(), *wire.health_rpcs(""), *wire.reflection_rpcs()]
 
 
-def assert_malformed(err: grpc.RpcError, type_name: str) -> None:
-    """What a client sees for a body that is not an encoding of `type_name`."""
-    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())  # type: ignore[attr-defined]
-    message = f"request body is not a valid encoding of {type_name} ({len(wire.GARBAGE)} bytes)"
-    assert err.details() == message  # type: ignore[attr-defined]
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    assert status is not None, "no google.rpc.Status details"
-    bad = error_details_pb2.BadRequest()
-    assert status.details[0].Unpack(bad)
-    assert [(v.field, v.description) for v in bad.field_violations] == [("request", message)]
-
-
-# wire.call returns a code; for this check the error itself is wanted, so call raises.
-def _raising_call(channel: grpc.Channel, rpc: wire.Rpc, body: bytes) -> str:
-    kind = ("stream" if rpc.request_stream else "unary") + "_"
-    kind += "stream" if rpc.response_stream else "unary"
-    stub = getattr(channel, kind)(rpc.method, request_serializer=None, response_deserializer=None)
-    request = iter([body]) if rpc.request_stream else body
-    result = stub(request, timeout=10)
-    if rpc.response_stream:
-        list(result)
-    return "OK"
-
-
 def test_a_body_that_does_not_parse_on_the_control_plane(sim_plane: Proc) -> None:
     with grpc.insecure_channel(sim_plane.address) as channel:
         for rpc in plane_rpcs("sim"):
             with pytest.raises(grpc.RpcError) as caught:
-                _raising_call(channel, rpc, wire.GARBAGE)
-            assert_malformed(caught.value, rpc.type_name)
+                wire.send(channel, rpc, wire.GARBAGE, timeout=10)
+            wire.assert_malformed(caught.value, rpc.type_name)
     logged = sim_plane.log_path.read_text()
     assert "malformed request" in logged and "peer=ipv4:127.0.0.1:" in logged
     assert "Traceback" not in logged and "DecodeError" not in logged
@@ -123,8 +97,8 @@ def test_a_body_that_does_not_parse_on_the_vllm_worker(worker: Proc) -> None:
     with grpc.insecure_channel(worker.address) as channel:
         for rpc in worker_rpcs():
             with pytest.raises(grpc.RpcError) as caught:
-                _raising_call(channel, rpc, wire.GARBAGE)
-            assert_malformed(caught.value, rpc.type_name)
+                wire.send(channel, rpc, wire.GARBAGE, timeout=10)
+            wire.assert_malformed(caught.value, rpc.type_name)
     assert "malformed request" in worker.log_path.read_text()
 
 
@@ -154,7 +128,7 @@ def test_a_bad_message_mid_stream_fails_only_its_stream(worker: Proc) -> None:
         with pytest.raises(grpc.RpcError) as caught:
             for _ in bad_stream:
                 pass
-        assert_malformed(caught.value, "switchyard.worker.v1.StreamRequest")
+        wire.assert_malformed(caught.value, "switchyard.worker.v1.StreamRequest")
 
         other = raw(iter([worker_pb2.StreamRequest(start=[short]).SerializeToString()]), timeout=60)
         events = [e for m in other for e in worker_pb2.StreamResponse.FromString(m).events]

@@ -11,11 +11,14 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from google.protobuf.message import Message
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
+from grpc_status import rpc_status
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from switchyard.v1 import admin_pb2, generation_pb2
@@ -139,18 +142,31 @@ def bodies(draw: st.DrawFn, seed: bytes) -> bytes:
     return bytes(body)
 
 
+def raw_stub(channel: grpc.Channel, rpc: Rpc) -> Any:
+    """A callable for `rpc` on `channel` that sends and returns bytes as they are."""
+    kind = ("stream" if rpc.request_stream else "unary") + "_"
+    kind += "stream" if rpc.response_stream else "unary"
+    return getattr(channel, kind)(rpc.method, request_serializer=None, response_deserializer=None)
+
+
+def send(channel: grpc.Channel, rpc: Rpc, body: bytes, timeout: float = CALL_TIMEOUT_S) -> None:
+    """One call with `body` as its request (the only message of a request stream), read to
+    its end; a status other than OK raises grpc.RpcError."""
+    result = raw_stub(channel, rpc)(iter([body]) if rpc.request_stream else body, timeout=timeout)
+    if rpc.response_stream:
+        for _ in result:
+            pass
+
+
 def call(channel: grpc.Channel, rpc: Rpc, body: bytes) -> str:
     """One call with `body` as the request (each message of a request stream): the status
     code's name, or OPEN for a response stream that accepted it and kept streaming."""
-    kind = ("stream" if rpc.request_stream else "unary") + "_"
-    kind += "stream" if rpc.response_stream else "unary"
-    stub = getattr(channel, kind)(rpc.method, request_serializer=None, response_deserializer=None)
     request = iter([body]) if rpc.request_stream else body
     try:
         if not rpc.response_stream:
-            stub(request, timeout=CALL_TIMEOUT_S)
+            send(channel, rpc, body)
             return "OK"
-        responses = stub(request, timeout=CALL_TIMEOUT_S)
+        responses = raw_stub(channel, rpc)(request, timeout=CALL_TIMEOUT_S)
         timer = threading.Timer(OPEN_AFTER_S, responses.cancel)
         timer.start()
         try:
@@ -164,6 +180,21 @@ def call(channel: grpc.Channel, rpc: Rpc, body: bytes) -> str:
         if code is grpc.StatusCode.CANCELLED and e.details() == LOCAL_CANCEL:  # type: ignore[attr-defined]
             return "OPEN"  # still streaming when the timer cancelled it here
         return code.name
+
+
+def assert_malformed(err: grpc.RpcError, type_name: str, size: int = len(GARBAGE)) -> None:
+    """What a client sees for a body of `size` bytes that is not an encoding of
+    `type_name` (a full protobuf name): INVALID_ARGUMENT naming it, with one BadRequest
+    on the field `request`."""
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())  # type: ignore[attr-defined]
+    message = f"request body is not a valid encoding of {type_name} ({size} bytes)"
+    assert err.details() == message  # type: ignore[attr-defined]
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None, "no google.rpc.Status details"
+    assert len(status.details) == 1
+    bad = error_details_pb2.BadRequest()
+    assert status.details[0].Unpack(bad)
+    assert [(v.field, v.description) for v in bad.field_violations] == [("request", message)]
 
 
 def fuzz(

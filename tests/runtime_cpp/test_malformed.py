@@ -13,28 +13,16 @@ from typing import Any
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from control.fleet.supervisor import cpp_worker_binary, free_port
+from tests.fuzz import wire
 from tests.fuzz.test_public_api import worker_in_flight
 from tests.procs import Proc, start_process, wait_serving
 
-# A truncated varint where a field tag belongs: no message parses it (random bytes may).
-GARBAGE = b"\xff\xff\xff\xff\xff"
 SERVICE = "/switchyard.worker.v1.Worker/"
-# method -> (request type, request stream, response stream)
-RPCS = {
-    "Generate": ("GenerateRequest", False, True),
-    "GenerateStream": ("StreamRequest", True, True),
-    "Abort": ("AbortRequest", False, False),
-    "GetInfo": ("GetInfoRequest", False, False),
-    "StreamLoad": ("StreamLoadRequest", False, True),
-    "LoadAdapter": ("LoadAdapterRequest", False, False),
-    "UnloadAdapter": ("UnloadAdapterRequest", False, False),
-    "SubscribeKvEvents": ("SubscribeKvEventsRequest", False, True),
-}
+RPCS = wire.worker_rpcs()
+GARBAGE = wire.GARBAGE
 
 
 @pytest.fixture(scope="module")
@@ -70,33 +58,6 @@ class Requests:
             yield message
 
 
-def raw_call(channel: grpc.Channel, method: str, body: bytes) -> None:
-    """One call of `method` with `body` as its request (the only message of a stream)."""
-    _, request_stream, response_stream = RPCS[method]
-    kind = ("stream" if request_stream else "unary") + "_"
-    kind += "stream" if response_stream else "unary"
-    stub = getattr(channel, kind)(
-        SERVICE + method, request_serializer=None, response_deserializer=None
-    )
-    result = stub(iter([body]) if request_stream else body, timeout=10)
-    if response_stream:
-        list(result)
-
-
-def assert_malformed(err: grpc.RpcError, type_name: str, size: int) -> None:
-    code = err.code()
-    details = err.details()
-    assert code is grpc.StatusCode.INVALID_ARGUMENT, (code, details)
-    message = f"request body is not a valid encoding of switchyard.worker.v1.{type_name}"
-    assert details == f"{message} ({size} bytes)"
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    assert status is not None, "no google.rpc.Status details"
-    assert len(status.details) == 1
-    bad = error_details_pb2.BadRequest()
-    assert status.details[0].Unpack(bad)
-    assert [(v.field, v.description) for v in bad.field_violations] == [("request", details)]
-
-
 def log_since(proc: Proc, mark: int) -> str:
     return proc.log_path.read_text(errors="replace")[mark:]
 
@@ -104,16 +65,16 @@ def log_since(proc: Proc, mark: int) -> str:
 def test_every_rpc_answers_a_body_that_does_not_parse(worker: Proc) -> None:
     mark = len(worker.log_path.read_text(errors="replace"))
     with grpc.insecure_channel(worker.address) as channel:
-        for method, (type_name, _, _) in RPCS.items():
+        for rpc in RPCS:
             with pytest.raises(grpc.RpcError) as caught:
-                raw_call(channel, method, GARBAGE)
-            assert_malformed(caught.value, type_name, len(GARBAGE))
+                wire.send(channel, rpc, GARBAGE, timeout=10)
+            wire.assert_malformed(caught.value, rpc.type_name, len(GARBAGE))
         # Well-formed calls still answer.
         stub: Any = worker_pb2_grpc.WorkerStub(channel)
         assert stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5).engine == "sim"
     lines = [line for line in log_since(worker, mark).splitlines() if "malformed request" in line]
-    for method in RPCS:
-        logged = [line for line in lines if f" method={SERVICE}{method} " in line]
+    for method in (rpc.method for rpc in RPCS):
+        logged = [line for line in lines if f" method={method} " in line]
         assert len(logged) == 1, (method, lines)
         assert logged[0].startswith("[cpp-worker] malformed request ")
         assert " peer=ipv4:127.0.0.1:" in logged[0]
@@ -162,7 +123,7 @@ def test_a_message_that_does_not_parse_fails_only_its_stream(worker: Proc) -> No
         with pytest.raises(grpc.RpcError) as caught:
             for _ in bad_events:
                 pass
-        assert_malformed(caught.value, "StreamRequest", len(GARBAGE))
+        wire.assert_malformed(caught.value, "switchyard.worker.v1.StreamRequest", len(GARBAGE))
         bad_requests.close()
 
         final: Any = None
