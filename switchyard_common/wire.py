@@ -125,14 +125,21 @@ class Wire:
         return call
 
     def _unary_stream(self, method: str, type_name: str, parse: Parse, inner: Any) -> Any:
+        generates = inspect.isasyncgenfunction(inner)  # else it writes its own
+
         async def call(_requests: object, context: Any) -> None:
             await self._check_metadata(method, context)
             request = await self._first(method, type_name, parse, context)
-            await _stream(inner, request, context)
+            if generates:
+                await _write_all(inner(request, context), context)
+            else:
+                await inner(request, context)
 
         return call
 
     def _stream_request(self, method: str, type_name: str, parse: Parse, inner: Any) -> Any:
+        generates = inspect.isasyncgenfunction(inner)
+
         async def requests(
             raw_requests: AsyncIterator[bytes], context: Any
         ) -> AsyncGenerator[Any, None]:
@@ -147,8 +154,8 @@ class Wire:
             await self._check_metadata(method, context)
             parsed = requests(raw_requests, context)
             async with contextlib.aclosing(parsed):
-                if inspect.isasyncgenfunction(inner):
-                    await _stream(inner, parsed, context)
+                if generates:
+                    await _write_all(inner(parsed, context), context)
                     return None
                 return await inner(parsed, context)
 
@@ -209,13 +216,9 @@ class Wire:
         raise AssertionError("abort returned")
 
 
-async def _stream(inner: Any, request: Any, context: Any) -> None:
-    """Run a response-streaming handler: an async generator's messages are written here
-    (closed at once if the call ends early); a reader-writer one writes its own."""
-    if not inspect.isasyncgenfunction(inner):
-        await inner(request, context)
-        return
-    async with contextlib.aclosing(inner(request, context)) as responses:
+async def _write_all(responses: AsyncGenerator[Any, None], context: Any) -> None:
+    """Write a generating handler's messages, closing it at once if the call ends early."""
+    async with contextlib.aclosing(responses):
         async for response in responses:
             await context.write(response)
 
