@@ -4,6 +4,7 @@ and stop them (SIGTERM, a grace period, then SIGKILL)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -26,11 +28,23 @@ log = structlog.get_logger(__name__)
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
 
 
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=4096)
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A port nothing listens on now, and one this process has not handed out before: the
+    kernel may offer the same free port twice in a row, and a worker started on the first
+    has not bound it yet when the second is asked for."""
+    with _HANDED_OUT_LOCK:
+        for _ in range(256):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port: int = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.append(port)
+                return port
+    raise OSError(f"no free port on {host} that this process has not handed out already")
 
 
 def termination_log_path(name: str, port: int) -> Path:

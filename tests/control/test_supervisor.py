@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from control.config import ModelSpec
-from control.fleet.supervisor import cpp_worker_binary, worker_command
+from control.fleet import supervisor
+from control.fleet.supervisor import cpp_worker_binary, free_port, worker_command
 from control.text.tokenizer import Tokenizer
 
 
@@ -81,3 +86,37 @@ def test_trtllm_worker_takes_its_eos_ids_from_the_engine_and_tokenizer(
         "--tokenizer": str(tiny_model_dir),
         "--vocab-size": "512",
     }
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel may offer one free port twice in a row; a second worker started before
+    the first has bound must not be given it (two workers on one port, one fails)."""
+    offered = iter([0, 0, 1])
+    base = free_port()  # a real free port, so the fake's ports are unlikely to be handed out
+
+    class OneOffer:
+        def __init__(self, *args: Any) -> None:
+            self.port = base + 10 + next(offered)
+
+        def __enter__(self) -> OneOffer:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def bind(self, address: tuple[str, int]) -> None:
+            pass
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(supervisor.socket, "socket", OneOffer)
+    first, second = free_port(), free_port()
+    assert (first, second) == (base + 10, base + 11)
+
+
+def test_free_ports_are_distinct_and_bindable() -> None:
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))
