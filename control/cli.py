@@ -14,7 +14,6 @@ import os
 import sys
 from pathlib import Path
 
-from control.cli_calls import add_commands, run
 from control.config import (
     DEFAULT_LISTEN,
     ConfigError,
@@ -22,6 +21,7 @@ from control.config import (
     default_config,
     load_config,
 )
+from switchyard.client.cli import add_commands, run
 from switchyard_common.logs import configure_logging
 
 
