@@ -4,6 +4,10 @@ Every command takes the connection options: `--address`, `--token` (or
 SWITCHYARD_TOKEN), `--tls` with `--ca`, `--cert` and `--key` for TLS and mutual TLS,
 and `--timeout`. A failure prints its status, message and the fields it names, and exits
 1. Long admin actions (load, unload, drain) show a progress line while they run.
+
+`control/cli.py` (the `switchyard` entry point, whose own command is `serve`) adds these
+commands to its parser and hands them here; like the rest of `switchyard.client`, this
+module imports nothing of the control plane, the worker or `switchyard_common`.
 """
 
 from __future__ import annotations
@@ -18,17 +22,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from control.config import DEFAULT_LISTEN
 from switchyard.client import Client, SwitchyardError, Tls
 
 T = TypeVar("T")
+
+# Where `switchyard serve` listens by default (control.config.DEFAULT_LISTEN; a test
+# holds the two equal, as the client package imports nothing of the server's).
+DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 def add_commands(sub: Any) -> None:
     """The client commands, on the `switchyard` parser's subparsers."""
     conn = argparse.ArgumentParser(add_help=False)
     c = conn.add_argument_group("connection")
-    c.add_argument("--address", default=DEFAULT_LISTEN, help="host:port of the service")
+    c.add_argument("--address", default=DEFAULT_ADDRESS, help="host:port of the service")
     c.add_argument(
         "--token",
         default=os.environ.get("SWITCHYARD_TOKEN"),

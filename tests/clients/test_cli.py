@@ -1,4 +1,5 @@
-"""The `switchyard` CLI, on the client library, against a real control plane with tokens."""
+"""The `switchyard` CLI (`switchyard/client/cli.py`), on the client library, against a real
+control plane with tokens."""
 
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ def cli(plane: Proc, *args: str, token: str | None = TOKEN) -> subprocess.Comple
         check=False,
         env=env,
     )
+
+
+def test_default_address_is_where_serve_listens() -> None:
+    # The CLI lives in the client package, which imports nothing of the server's: its
+    # default --address is a copy of the server's default listen address.
+    from control.config import DEFAULT_LISTEN
+    from switchyard.client.cli import DEFAULT_ADDRESS
+
+    assert DEFAULT_ADDRESS == DEFAULT_LISTEN
 
 
 def test_generate_complete_tokenize_models(plane: Proc) -> None:
