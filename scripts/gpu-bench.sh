@@ -34,7 +34,7 @@ case "${1:-}" in
         python3 -m bench.gpu --phase "$phase" --out "$out" 2>&1 | tee "$out/$phase.log" \
         | grep -v -E "^\(|WARNING|it/s\]" || true
       for f in "$out"/profile-*.txt; do
-        [ -f "$f" ] && python3 -m bench.profile_summary "$f" >> "$out/profiles-$phase.md" || true
+        [ -f "$f" ] && python3 -m bench.gpu.profile_summary "$f" >> "$out/profiles-$phase.md" || true
       done
       # Keep what comes back small and few (8 files at most): the logs of each system and
       # the raw profiles, compressed into one file.

@@ -7,9 +7,9 @@ from array import array
 
 import pytest
 
-from bench import kv_routing
-from bench.fleet_sim import TENANT_SIM, Result, TenantSpec, WorkloadSpec, make_workload, simulate
-from bench.fleet_workload import Workload, reuse_ceiling
+from bench.fleet import kv_routing
+from bench.fleet.sim import TENANT_SIM, Result, TenantSpec, WorkloadSpec, make_workload, simulate
+from bench.fleet.workload import Workload, reuse_ceiling
 from control.routing import POLICIES
 
 WORKERS = 8

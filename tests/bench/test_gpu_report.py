@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.gpu_report import BEGIN, END, kept_section, splice
+from bench.gpu.report import BEGIN, END, kept_section, splice
 
 
 def test_the_gpu_section_is_replaced_in_place_and_kept() -> None:
@@ -16,7 +16,7 @@ def test_the_gpu_section_is_replaced_in_place_and_kept() -> None:
 
 
 def test_the_fast_engine_section_is_kept_too() -> None:
-    from bench.gpu_report import FAST_BEGIN, FAST_END
+    from bench.gpu.report import FAST_BEGIN, FAST_END
 
     doc = f"# Benchmarks\n\nCPU\n\n{BEGIN}\nH200\n{END}\n\n{FAST_BEGIN}\n1B\n{FAST_END}\n"
     assert kept_section(doc) == f"{BEGIN}\nH200\n{END}\n\n{FAST_BEGIN}\n1B\n{FAST_END}"
@@ -24,7 +24,7 @@ def test_the_fast_engine_section_is_kept_too() -> None:
 
 
 def test_the_tensor_parallel_section_is_kept_too() -> None:
-    from bench.gpu_report import FAST_BEGIN, FAST_END, TP_BEGIN, TP_END
+    from bench.gpu.report import FAST_BEGIN, FAST_END, TP_BEGIN, TP_END
 
     doc = f"CPU\n\n{FAST_BEGIN}\n1B\n{FAST_END}\n\n{TP_BEGIN}\nTP=2\n{TP_END}\n"
     assert kept_section(doc) == f"{FAST_BEGIN}\n1B\n{FAST_END}\n\n{TP_BEGIN}\nTP=2\n{TP_END}"

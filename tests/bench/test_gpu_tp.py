@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.gpu_tp import failure, gpu_memory, summary
+from bench.gpu.tp import failure, gpu_memory, summary
 
 
 def test_gpu_memory_keeps_each_gpus_peak() -> None:
@@ -76,7 +76,7 @@ def test_the_summary_reads_a_result_file(tmp_path: Path) -> None:
     path = tmp_path / "tp.json"
     path.write_text(json.dumps({"systems": [{"label": "tp2", "error": "boom"}]}))
     out = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_tp", "--summary", str(path)],
+        [sys.executable, "-m", "bench.gpu.tp", "--summary", str(path)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from bench.kv_routing import Tally, variant
+from bench.fleet.kv_routing import Tally, variant
 
 
 def test_a_variant_is_a_label_and_kv_aware_weights() -> None:

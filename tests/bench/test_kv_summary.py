@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench.kv_summary import load, main, summarize
+from bench.fleet.kv_summary import load, main, summarize
 
 
 def _run(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.loadgen import WorkerTarget, Workload, closed_loop, open_loop, summarize
+from bench.load.loadgen import WorkerTarget, Workload, closed_loop, open_loop, summarize
 from tests.conformance.conftest import start_cpp_worker
 
 
@@ -28,7 +28,7 @@ async def test_closed_and_open_loop_record_every_request(tmp_path: Path) -> None
 
 
 async def test_sse_lines_split_on_newline_only() -> None:
-    from bench.loadgen import _sse_data
+    from bench.load.loadgen import _sse_data
 
     class Resp:
         async def aiter_bytes(self):  # type: ignore[no-untyped-def]
@@ -48,7 +48,7 @@ def test_command_line_runs_closed_and_open_loop_and_writes_json(tmp_path: Path) 
     worker = start_cpp_worker(tmp_path)
     out = tmp_path / "runs.json"
     argv = [
-        sys.executable, "-m", "bench.loadgen", "--target", "worker",
+        sys.executable, "-m", "bench.load.loadgen", "--target", "worker",
         "--address", worker.address, "--concurrency", "1,4", "--rate", "40",
         "--requests", "12", "--prompt-len", "8-32", "--output-len", "16",
         "--json", str(out),

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.loadgen import Workload
-from bench.procload import processes_for, spread_load
+from bench.load.loadgen import Workload
+from bench.load.procload import processes_for, spread_load
 from tests.conformance.conftest import start_cpp_worker
 
 
@@ -41,7 +41,7 @@ def test_the_cpu_proxy_prints_cpu_per_token_for_each_process(tmp_path: Path) -> 
     lasts about 8 s: 200 tokens a stream at 50 tokens/s, twice)."""
     out = tmp_path / "proxy.json"
     argv = [
-        sys.executable, "-m", "bench.cpu_proxy", "--streams", "16", "--rate", "800",
+        sys.executable, "-m", "bench.cpu.proxy", "--streams", "16", "--rate", "800",
         "--output", "200", "--routers", "1", "--listeners", "2", "--probe",
         "--json", str(out),
     ]  # fmt: skip

@@ -13,7 +13,7 @@ import pytest
 from switchyard.v1 import common_pb2
 from switchyard.worker.v1 import worker_pb2
 
-from bench.constraints import CASES, Checker
+from bench.cpu.constraints import CASES, Checker
 from tests.pyworker.test_worker import PROMPT, bad_request_fields, generate, ids_of, request
 
 pytestmark = pytest.mark.engine

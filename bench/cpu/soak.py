@@ -33,13 +33,13 @@ import structlog
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from bench.constraints import CASES, Case, Checker
+from bench.cpu.constraints import CASES, Case, Checker
 from bench.systems import control_plane, descendants
 from switchyard_common.logs import configure_logging
 from switchyard_common.tinymodel import ensure_tiny_model
 
 log = structlog.get_logger("soak")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORDS = "the quick brown fox jumps over a lazy dog while trains 🚂 switch yards at night".split()
 
 

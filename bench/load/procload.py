@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from bench.loadgen import Workload, closed_loop, make_target
+from bench.load.loadgen import Workload, closed_loop, make_target
 
 # Streamed tokens per second one client process drives comfortably (measured on the H200
 # machine's cores at about 9k before it saturates; this leaves headroom).
@@ -110,7 +110,7 @@ def spread_load(
             seed=work.seed * 100 + i,
         )
         return [
-            sys.executable, "-m", "bench.procload", "--client", "--target", target,
+            sys.executable, "-m", "bench.load.procload", "--client", "--target", target,
             "--address", address, "--model", model, "--connections", str(connections),
             "--concurrency", str(concurrency // procs + (1 if i < concurrency % procs else 0)),
             "--work", json.dumps(asdict(share)), "--start-at", str(start_at),

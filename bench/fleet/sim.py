@@ -32,8 +32,8 @@ from typing import Any
 
 import switchyard_runtime as rt
 
-from bench import kv_summary
-from bench.fleet_workload import (
+from bench.fleet import kv_summary
+from bench.fleet.workload import (
     TenantSpec,
     Workload,
     WorkloadSpec,
@@ -456,7 +456,7 @@ def reflow(md: str, width: int = 90) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     fmt = argparse.RawDescriptionHelpFormatter
-    ap = argparse.ArgumentParser("python -m bench.fleet_sim", None, __doc__, formatter_class=fmt)
+    ap = argparse.ArgumentParser("python -m bench.fleet.sim", None, __doc__, formatter_class=fmt)
     d, t = WorkloadSpec(), TenantSpec()
     ap.add_argument(
         "--workload",
@@ -522,7 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ceiling = reuse_ceiling(workload, params.tokens_per_block)
     print(f"reuse ceiling (one cache that never evicts): {ceiling[0] / ceiling[1]:.1%}")
     given = sys.argv[1:] if argv is None else list(argv)
-    command = shlex.join(["python", "-m", "bench.fleet_sim", *given])
+    command = shlex.join(["python", "-m", "bench.fleet.sim", *given])
     if args.markdown:
         args.markdown.write_text(report(command, spec, params, results, ceiling))
     if args.json:

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import systems
-from bench.loadgen import Workload
-from bench.procload import processes_for, spread_load, start_delay_s
+from bench.load.loadgen import Workload
+from bench.load.procload import processes_for, spread_load, start_delay_s
 from control.fleet.supervisor import free_port
 from switchyard_common.tinymodel import ensure_tiny_model
 
@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for cwd in trees:
             results.append(vllm_worker(args, log_dir, cwd))
     return {
-        "command": "python -m bench.cpu_proxy " + " ".join(args.argv),
+        "command": "python -m bench.cpu.proxy " + " ".join(args.argv),
         "streams": args.streams,
         "target_tokens_per_s": args.rate,
         "sim_step_us": step_us,

@@ -31,8 +31,8 @@ from typing import Any
 import structlog
 
 from bench import systems
-from bench.loadgen import Workload, make_target
-from bench.procload import percentiles, spread_load
+from bench.load.loadgen import Workload, make_target
+from bench.load.procload import percentiles, spread_load
 from switchyard_common.logs import configure_logging
 
 log = structlog.get_logger(__name__)
@@ -309,7 +309,7 @@ def gpu_memory_sampler(
 def ttft_pairs(cp: str, worker: str, model: str) -> dict[str, Any]:
     """Single requests, alternating between the worker and the control plane in front
     (bench.compare's probe: distinct prompts, so neither hits the other's prefix cache)."""
-    from bench.compare import ttft_probe
+    from bench.cpu.compare import ttft_probe
 
     factories = [
         lambda: make_target("worker", worker, model),
@@ -443,7 +443,7 @@ def main() -> None:
         _asyncllm_main(str(args.model_dir), settings, loads, args.go, args.reps or 2, args.waves)
         return
     if args.report is not None:
-        from bench.gpu_report import write_report
+        from bench.gpu.report import write_report
 
         write_report(args.report)
         return
@@ -466,17 +466,17 @@ def main() -> None:
 
     steps: list[tuple[str, Any]]
     if fast:
-        from bench.gpu_fast import FAST_SETTINGS
-        from bench.gpu_fast import steps as fast_steps
+        from bench.gpu.fast import FAST_SETTINGS
+        from bench.gpu.fast import steps as fast_steps
 
         result["environment"]["settings"] = FAST_SETTINGS
         steps = list(fast_steps(args.phase, model, args.out))
     elif args.phase == "tp":  # two GPUs (the nvidia-h200-x2 kind)
-        from bench.gpu_tp import steps as tp_steps
+        from bench.gpu.tp import steps as tp_steps
 
         steps = tp_steps(model, args.out)
     elif args.phase == "saturate":  # a worker held saturated: the canary behind its queue
-        from bench.gpu_tp import saturate_steps
+        from bench.gpu.tp import saturate_steps
 
         steps = saturate_steps(model, args.out)
     elif args.phase == "fronts":

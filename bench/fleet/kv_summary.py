@@ -153,7 +153,7 @@ def markdown(table: Mapping[Setup, Sequence[Row]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser("python -m bench.kv_summary", description=__doc__)
+    ap = argparse.ArgumentParser("python -m bench.fleet.kv_summary", description=__doc__)
     ap.add_argument("files", type=Path, nargs="+", help="bench.kv_routing --json files")
     args = ap.parse_args(argv)
     runs, ceilings = load(args.files)

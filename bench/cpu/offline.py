@@ -24,7 +24,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from bench.loadgen import Workload
+    from bench.load.loadgen import Workload
 
     work = Workload(
         requests=args.requests,

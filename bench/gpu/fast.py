@@ -37,7 +37,7 @@ from typing import Any
 import structlog
 
 from bench import systems
-from bench.gpu import (
+from bench.gpu.__main__ import (
     SETTINGS,
     SMOKE_ENV,
     asyncllm_argv,
@@ -45,9 +45,9 @@ from bench.gpu import (
     run_load,
     served_model,
 )
-from bench.gpu import peer as gpu_peer
-from bench.gpu_pin import Pinning
-from bench.procload import start_delay_s
+from bench.gpu.__main__ import peer as gpu_peer
+from bench.gpu.pin import Pinning
+from bench.load.procload import start_delay_s
 from control.fleet.supervisor import free_port
 
 log = structlog.get_logger(__name__)

@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 BEGIN, END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
 COMMAND = (
     "`scripts/gpu-bench.sh run fronts`, `... run peers`, `... run quant` and `... run fronts` "

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import kv_summary
+from bench.fleet import kv_summary
 
 
 def _by_policy(files: Sequence[Path], fields: Sequence[str]) -> dict[str, dict[str, list[float]]]:
@@ -196,7 +196,7 @@ def plot_seeds(files: Sequence[Path], out: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser("python -m bench.kv_plots", description=__doc__)
+    ap = argparse.ArgumentParser("python -m bench.fleet.kv_plots", description=__doc__)
     ap.add_argument("--sim", type=Path, nargs="*", default=[])
     ap.add_argument("--rates", type=Path, nargs="*", default=[])
     ap.add_argument("--real", type=Path)

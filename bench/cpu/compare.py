@@ -27,8 +27,10 @@ from pathlib import Path
 
 import structlog
 
-from bench import report, systems
-from bench.loadgen import (
+from bench import systems
+from bench.cpu import report
+from bench.cpu.offline import RESULT_PREFIX
+from bench.load.loadgen import (
     OpenAIHttpTarget,
     SmgGenerateTarget,
     Summary,
@@ -42,7 +44,6 @@ from bench.loadgen import (
     open_loop,
     summarize,
 )
-from bench.offline import RESULT_PREFIX
 from switchyard_common.logs import configure_logging
 from switchyard_common.tinymodel import ensure_tiny_model
 
@@ -215,7 +216,7 @@ def offline(model: Path, setting: Setting) -> dict[str, float]:
     cmd = [
         sys.executable,
         "-m",
-        "bench.offline",
+        "bench.cpu.offline",
         "--model",
         str(model),
         "--requests",

@@ -505,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _spread(args: Any) -> None:
     """A closed loop from several processes (bench.procload): one Python client tops out
     at some thousands of streamed tokens per second."""
-    from bench.procload import processes_for, spread_load
+    from bench.load.procload import processes_for, spread_load
 
     results = []
     for c in args.concurrency:

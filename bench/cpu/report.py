@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_report
+from bench.gpu import report as gpu_report
 
 PER_CALL = "switchyard (a worker call per request)"
 SYSTEMS = ("worker", "switchyard", PER_CALL, "vllm-grpc", "smg", "vllm-openai")

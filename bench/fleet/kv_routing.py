@@ -39,8 +39,9 @@ from typing import Any
 import grpc
 import structlog
 
-from bench import kv_summary, systems
-from bench.fleet_workload import TenantSpec, Workload, describe, make_workload, reuse_ceiling
+from bench import systems
+from bench.fleet import kv_summary
+from bench.fleet.workload import TenantSpec, Workload, describe, make_workload, reuse_ceiling
 from switchyard_common.logs import configure_logging
 from switchyard_common.tinymodel import ensure_tiny_model
 
@@ -321,7 +322,7 @@ def variant(text: str) -> tuple[str, dict[str, float]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser("python -m bench.kv_routing", description=__doc__)
+    ap = argparse.ArgumentParser("python -m bench.fleet.kv_routing", description=__doc__)
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--requests", type=int, default=SPEC.requests)
     ap.add_argument("--rate", type=float, default=SPEC.rate, help="arrivals per second")
@@ -419,7 +420,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"seed {seed}: reuse ceiling (one cache that never evicts) {cached / total:.1%}")
     if args.json:
         data: dict[str, Any] = {
-            "command": " ".join(["python", "-m", "bench.kv_routing", *(argv or sys.argv[1:])]),
+            "command": " ".join(
+                ["python", "-m", "bench.fleet.kv_routing", *(argv or sys.argv[1:])]
+            ),
             "workload": [describe(spec) for spec in specs],
             "workers": args.workers,
             "engine_args": engine,

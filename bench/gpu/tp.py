@@ -33,7 +33,8 @@ from typing import Any
 
 import structlog
 
-from bench import gpu, systems
+from bench import systems
+from bench.gpu import __main__ as gpu
 
 log = structlog.get_logger(__name__)
 

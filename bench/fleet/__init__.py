@@ -1,0 +1,1 @@
+"""Routing: the simulated fleet, the real-worker routing runs, their summaries and plots."""

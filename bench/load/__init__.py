@@ -1,0 +1,2 @@
+"""Load generation: workloads, the targets (each system's API), closed and open loops, and load
+spread over several client processes."""
