@@ -4,11 +4,10 @@
 # into .gpu/) travels in parts, one device call each, to /tmp/parts; the Python stubs
 # travel with the call (carry build/cp311-cp311-linux_x86_64/python).
 #   scripts/gpu-bench.sh copy .gpu/pN            # one call per part
-#   scripts/gpu-bench.sh run PHASE [PHASE...]    # fronts | peers | quant | fast | fast2 | ...
+#   scripts/gpu-bench.sh run PHASE [PHASE...]    # fronts | peers | quant | fast | fast2 | saturate
 #                                                # tp: two GPUs, the nvidia-h200-x2 kind
 # Results in $OUT. Optional, carried with the last call: .gpu/tools/py-spy (a static binary,
-# for the profiles of the fast phases) and .gpu/before (the previous commit's control,
-# pyworker and switchyard_common, for the before-and-after runs).
+# for the profiles of the fast phases).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -25,7 +24,6 @@ case "${1:-}" in
     python3 -c 'import vllm, grpc, torch; print("vllm", vllm.__version__, "grpc", grpc.__version__, "torch", torch.__version__, torch.cuda.device_count(), "GPU")'
     out=${OUT:-/tmp/gpu-results}; mkdir -p "$out"
     [ -x "$root/.gpu/tools/py-spy" ] && export SWITCHYARD_PY_SPY="$root/.gpu/tools/py-spy"
-    [ -d "$root/.gpu/before/control" ] && export SWITCHYARD_BEFORE="$root/.gpu/before"
     for phase in "$@"; do
       echo "[gpu-bench] phase $phase" >&2
       # A phase that outruns its time (PHASE_LIMIT_S) is stopped as by Ctrl-C: it stops

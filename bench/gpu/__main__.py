@@ -420,7 +420,7 @@ def environment() -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    phases = "fronts peers quant tp saturate fast fast2 pin1 pin2 routers2".split()
+    phases = "fronts peers quant tp saturate fast fast2".split()
     p.add_argument("--phase", choices=phases)
     p.add_argument("--out", type=Path)
     p.add_argument("--model-dir", type=Path, help="default: an 8B shape made in /tmp/llama-8b")
@@ -451,7 +451,7 @@ def main() -> None:
     if args.smoke:
         smoke()
     args.out.mkdir(parents=True, exist_ok=True)
-    fast = args.phase in ("fast", "fast2", "pin1", "pin2", "routers2")
+    fast = args.phase in ("fast", "fast2")
     if args.model_dir:
         model = args.model_dir
     elif fast:

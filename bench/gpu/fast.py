@@ -4,20 +4,13 @@ the pace. Run by `bench.gpu --phase PHASE` (scripts/gpu-bench.sh):
     fast:  AsyncLLM in-process; `switchyard serve` with its vLLM worker: the worker called
            directly (GenerateStream), the control plane in one process, and router-only
            control planes (one process with a single gRPC listener; 2 and 4 processes)
-           and the previous commit's control plane in front of the same worker; py-spy
-           profiles of the worker and the control plane
-    fast2: two workers on one GPU behind one control plane; vLLM's gRPC and OpenAI
-           servers; the previous commit's worker
-    pin1:  AsyncLLM, then one worker and one control plane with the engine core free
-           and pinned to a physical core of its own, alternating (bench/gpu_pin.py)
-    pin2:  fast2's two workers, then once more with both engine cores pinned
-    routers2: two workers directly, behind one control plane, and behind four routers,
-           alternating with $SWITCHYARD_BEFORE's routers where it is set
+           in front of the same worker; py-spy profiles of the worker and the control plane
+    fast2: two workers on one GPU behind one control plane and behind router-only control
+           planes; vLLM's gRPC and OpenAI servers
 
 Every system gets FAST_SETTINGS; 1000 concurrent requests of 128 prompt and 256 output
 tokens (ignore_eos), WAVES times as many in all, load from CLIENTS processes over
-CONNECTIONS channels each. The previous commit's code is a checkout in
-$SWITCHYARD_BEFORE (skipped if unset).
+CONNECTIONS channels each.
 """
 
 from __future__ import annotations
@@ -27,7 +20,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,9 +38,7 @@ from bench.gpu.__main__ import (
     served_model,
 )
 from bench.gpu.__main__ import peer as gpu_peer
-from bench.gpu.pin import Pinning
 from bench.load.procload import start_delay_s
-from control.fleet.supervisor import free_port
 
 log = structlog.get_logger(__name__)
 
@@ -255,12 +245,11 @@ class _AsyncLLMBeside:
             self.proc.wait()
 
 
-def fronts(model: Path, out: Path, before: Path | None) -> dict[str, Any]:
+def fronts(model: Path, out: Path) -> dict[str, Any]:
     """AsyncLLM in-process (two passes), then, on one worker started by `switchyard
     serve`, two passes in opposite orders of: the worker called directly, the control
     plane in one process, router-only control planes (one process with one gRPC
-    listener; 2 and 4 processes), and the previous commit's control plane, all in front
-    of the same worker. Profiles in the
+    listener; 2 and 4 processes), all in front of the same worker. Profiles in the
     first pass; the second pass profiles the control plane's start of 1000 requests.
     Every engine gets 0.42 of the GPU's memory (two share it); the KV cache still holds
     every request."""
@@ -315,13 +304,6 @@ def fronts(model: Path, out: Path, before: Path | None) -> dict[str, Any]:
                 )
                 rpids = [rproc.popen.pid, *systems.descendants(rproc.popen.pid)]
                 fronts_[f"control plane x{n}"] = ("switchyard", rcp, rpids, {})
-            if before is not None:
-                bcp, bp = stack.enter_context(
-                    systems.control_plane(remote, logs, "before", 1, cwd=before)
-                )
-                fronts_["control plane x1, before"] = (
-                    "switchyard", bcp, [bp.popen.pid], {"control-before": bp.popen.pid}
-                )  # fmt: skip
             run_load("switchyard", cp, "m", 64, seed=99, processes=2)  # warm-up
             order = list(fronts_)
             for passed, labels in enumerate((order, order[::-1])):
@@ -357,34 +339,6 @@ def _per_process_cores(pids: list[int]) -> dict[str, float]:
     return {str(pid): round(systems.cpu_seconds([pid]), 1) for pid in pids}
 
 
-def before_worker(model: Path, out: Path, before: Path) -> dict[str, Any]:
-    """The previous commit's vLLM worker, called directly and through this commit's
-    control plane."""
-    result: dict[str, Any] = {"label": "fast-before-worker", "runs": []}
-    logs = out / "logs-before-worker"
-    logs.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "pyworker", "--model", str(model), "--port", str(port),
-        "--engine-args", json.dumps(FAST_SETTINGS),
-    ]  # fmt: skip
-    proc = systems.start("pyworker-before", argv, logs, f"127.0.0.1:{port}", cwd=before)
-    try:
-        systems.wait_grpc_serving(proc, proc.address)
-        wpids = [proc.popen.pid]
-        cpu = {"worker": wpids, "engine": systems.descendants(proc.popen.pid)}
-        with systems.control_plane(_remote("m", model, [proc.address]), logs, "cp") as (cp, cpp):
-            cpu["control"] = [cpp.popen.pid]
-            run_load("worker-stream", proc.address, "m", 64, seed=99, processes=2)
-            with profiled(out, {"worker-before": proc.popen.pid}):
-                _run(result, "worker (GenerateStream), before", "worker-stream", proc.address, cpu)
-            _run(result, "control plane x1 on the worker before", "switchyard", cp, cpu)
-            _run(result, "worker (GenerateStream), before", "worker-stream", proc.address, cpu)
-    finally:
-        proc.stop()
-    return result
-
-
 def _both_directly(workers: list[str], label: str) -> dict[str, Any]:
     """Both workers called directly at once, half the load each."""
     both: list[dict[str, Any]] = []
@@ -414,20 +368,10 @@ def _both_directly(workers: list[str], label: str) -> dict[str, Any]:
     return combined
 
 
-def two_workers(
-    model: Path,
-    out: Path,
-    pin: bool = False,
-    rounds: int = 2,
-    routers: tuple[int, ...] = TWO_WORKER_ROUTERS,
-    before: Path | None = None,
-    direct_between: bool = False,
-) -> dict[str, Any]:
+def two_workers(model: Path, out: Path) -> dict[str, Any]:
     """Two workers on one GPU (each with under half of its memory): both called directly
-    at once, then one control plane in front of both; with `pin`, once more with each
-    engine core on a physical core of its own (bench/gpu_pin.py). With `before` (another
-    checkout's control plane), each router count runs twice with each, alternating (three
-    times, with `direct_between`: both workers called directly before every router run)."""
+    at once, then one control plane in front of both, twice; then router-only control
+    planes (TWO_WORKER_ROUTERS processes) in front of both."""
     settings = {**FAST_SETTINGS, "gpu_memory_utilization": 0.42}
     result: dict[str, Any] = {"label": "fast-two-workers", "settings": settings, "runs": []}
     logs = out / "logs-two"
@@ -437,77 +381,25 @@ def two_workers(
         result["workers"] = list_workers(cp)
         worker_pids = _pids_named(proc.popen.pid, "pyworker")
         run_load("switchyard", cp, "m", 64, seed=99, processes=2)
-        cores = [c for w in worker_pids for c in _core("c", w).values()]
-        pinning = Pinning(cores, [proc.popen.pid])
-        result["cpus"] = pinning.describe()
-        for round_, how in enumerate(["free"] * rounds + (["pinned"] if pin else [])):
-            if how == "pinned":
-                result["pinned"] = pinning.pin()
-            label = "both workers directly, at once" + (", pinned" if how == "pinned" else "")
-            result["runs"].append(_both_directly(workers, label))
+        for round_ in range(2):
+            result["runs"].append(_both_directly(workers, "both workers directly, at once"))
             cpu = {"control": [proc.popen.pid]}
             with profiled(out, {"control-two": proc.popen.pid} if round_ == 0 else {}):
-                label = "control plane x1, two workers" + (", pinned" if how == "pinned" else "")
+                label = "control plane x1, two workers"
                 _run(result, label, "switchyard", cp, cpu, engines=workers)
-        if pin:
-            pinning.unpin()
-        pair = (None, before) * (3 if direct_between else 2) if before else (None,)
-        order = [(n, c) for n in routers for c in pair]
-        for i_run, (n, cwd) in enumerate(order):
-            if direct_between:  # the engines' pace just before each router run
-                result["runs"].append(_both_directly(workers, "both workers directly, at once"))
+        for n in TWO_WORKER_ROUTERS:
             remote = _remote("m", model, workers)
-            name = f"routers-{n}" + ("-before" if cwd else "")
-            with systems.control_plane(remote, logs, name, n, cwd=cwd) as (rcp, rp):
+            with systems.control_plane(remote, logs, f"routers-{n}", n) as (rcp, rp):
                 children = systems.descendants(rp.popen.pid)
                 rpids = [rp.popen.pid, *children]
-                label = f"control plane x{n}, two workers" + (", before" if cwd else "")
                 # two of its routers, and both workers (what the routers wait on)
-                tag = f"{n}-before" if cwd else f"{n}"
-                targets = {f"router{tag}-{i}": pid for i, pid in enumerate(children[:2])}
-                targets |= {f"worker{tag}-{i}": pid for i, pid in enumerate(worker_pids[:2])}
-                first = order.index((n, cwd)) == i_run  # profiled once each
-                with profiled(out, targets if first else {}):
+                targets = {f"router{n}-{i}": pid for i, pid in enumerate(children[:2])}
+                targets |= {f"worker{n}-{i}": pid for i, pid in enumerate(worker_pids[:2])}
+                with profiled(out, targets):
                     cpu = {"control": rpids}
+                    label = f"control plane x{n}, two workers"
                     run = _run(result, label, "switchyard", rcp, cpu, engines=workers)
                 run["per_router_cpu_s"] = _per_process_cores(rpids)
-    return result
-
-
-def pinned_worker(model: Path, out: Path) -> dict[str, Any]:
-    """AsyncLLM in-process (two passes), then one worker called directly and through
-    one control plane, with its engine core free and pinned to a physical core of its
-    own, alternating (bench/gpu_pin.py)."""
-    settings = {**FAST_SETTINGS, "gpu_memory_utilization": 0.42}
-    result: dict[str, Any] = {"label": "fast-pinned", "settings": settings, "runs": []}
-    logs = out / "logs-pin"
-    logs.mkdir(parents=True, exist_ok=True)
-    beside = _AsyncLLMBeside(model, settings)
-    try:
-        with systems.control_plane(_model_yaml("m", model, settings), logs) as (cp, proc):
-            worker = list_workers(cp)[0]["address"]
-            for r in beside.run():
-                r["label"] = "AsyncLLM in-process"
-                result["runs"].append(r)
-                log.info("run", system="asyncllm", tokens_per_s=round(r["tokens_per_s"]))
-            worker_pids = _pids_named(proc.popen.pid, "pyworker")
-            cores = [c for w in worker_pids for c in _core("c", w).values()]
-            pinning = Pinning(cores, [proc.popen.pid])
-            result["cpus"] = pinning.describe()
-            cpu = {"worker": worker_pids, "engine": cores, "control": [proc.popen.pid]}
-            run_load("switchyard", cp, "m", 64, seed=99, processes=2)  # warm-up
-            for how in ("free", "pinned", "free", "pinned"):
-                if how == "pinned":
-                    result["pinned"] = pinning.pin()
-                else:
-                    pinning.unpin()
-                label = f"worker (GenerateStream), {how}"
-                _run(result, label, "worker-stream", worker, cpu, out=out, engines=[worker])
-                label = f"control plane x1, {how}"
-                _run(result, label, "switchyard", cp, cpu, out=out, engines=[worker])
-            pinning.unpin()
-    finally:
-        beside.stop()
     return result
 
 
@@ -525,28 +417,10 @@ def peer(kind: str, model: Path, out: Path) -> dict[str, Any]:
 
 
 def steps(phase: str, model: Path, out: Path) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
-    before_dir = os.environ.get("SWITCHYARD_BEFORE")
-    before = Path(before_dir) if before_dir else None
     if phase == "fast":
-        return [("fronts", lambda: fronts(model, out, before))]
-    if phase == "pin1":
-        return [("pinned-worker", lambda: pinned_worker(model, out))]
-    if phase == "pin2":
-        return [("two-workers", lambda: two_workers(model, out, pin=True))]
-    if phase == "routers2":  # the routers' split of two workers, once each
-        return [
-            (
-                "two-workers",
-                lambda: two_workers(
-                    model, out, rounds=1, routers=(4,), before=before, direct_between=True
-                ),
-            )
-        ]
-    out_steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        return [("fronts", lambda: fronts(model, out))]
+    return [
         ("two-workers", lambda: two_workers(model, out)),
         ("vllm-grpc", lambda: peer("vllm-grpc", model, out)),
         ("openai", lambda: peer("openai", model, out)),
     ]
-    if before is not None:  # last: the first to go when the device time runs short
-        out_steps.append(("before-worker", lambda: before_worker(model, out, before)))
-    return out_steps

@@ -13,8 +13,7 @@ control plane, its worker and vLLM's rank processes inherit), as that machine re
     python -m bench.gpu_tp --summary DIR/tp.json    # the comparison, as Markdown
 
 `--phase saturate` (one GPU is enough) holds TP=1 at 1000 concurrent requests for three
-waves, so that the canary queues behind the load for longer than three of its intervals,
-through this checkout's control plane and, with $SWITCHYARD_BEFORE, another checkout's:
+waves, so that the canary queues behind the load for longer than three of its intervals:
 whether every stream completes and the worker stays in.
 """
 
@@ -143,40 +142,34 @@ def served(
     return result
 
 
-def saturated(
-    model: Path, out: Path, settings: dict[str, Any], before: Path | None
-) -> dict[str, Any]:
+def saturated(model: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """TP=1 on GPU 0 held at LOADS[-1] concurrent requests, SATURATE_WAVES times as many in
     all (closed loop), so that the canary waits behind the queue for longer than the
-    failure threshold's canaries take: through this checkout's control plane, then through
-    the one in `before` (a checkout with the canary before it told busy from hung)."""
+    failure threshold's canaries take, through the control plane."""
     load = gpu.LOADS[-1]
     result: dict[str, Any] = {"label": "saturated", "settings": settings, "runs": []}
     entry = gpu.served_model("m", model, settings, ("0",))
-    for tag, cwd in [("this", None), *([("before", before)] if before else [])]:
-        log_dir = out / f"logs-saturated-{tag}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        with systems.control_plane(entry, log_dir, cwd=cwd) as (cp, proc):
-            gpu.run_load("switchyard", cp, "m", 32, seed=99)  # warm-up
-            run = gpu.run_load("switchyard", cp, "m", load, seed=7, waves=SATURATE_WAVES)
-            workers = gpu.list_workers(cp)
-            text = proc.log_path.read_text(errors="replace")
-        run.update(
-            label=f"control plane: {tag}",
-            complete=run["errors"] == 0 and run["tokens"] == run["requests"] * gpu.OUTPUT,
-            circuit_after=[w.get("circuit") for w in workers],
-            routable_after=[bool(w.get("routable")) for w in workers],
-            ejections=text.count("worker ejected"),
-            canaries_timed_out=len(
-                re.findall(r"generate deadline expired\s+request_id=canary", text)
-            ),
-        )
-        log.info(
-            "saturated", control_plane=tag, complete=run["complete"], errors=run["errors"],
-            ejections=run["ejections"], canaries_timed_out=run["canaries_timed_out"],
-            tokens_per_s=round(run["tokens_per_s"]),
-        )  # fmt: skip
-        result["runs"].append(run)
+    log_dir = out / "logs-saturated"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with systems.control_plane(entry, log_dir) as (cp, proc):
+        gpu.run_load("switchyard", cp, "m", 32, seed=99)  # warm-up
+        run = gpu.run_load("switchyard", cp, "m", load, seed=7, waves=SATURATE_WAVES)
+        workers = gpu.list_workers(cp)
+        text = proc.log_path.read_text(errors="replace")
+    run.update(
+        label="control plane",
+        complete=run["errors"] == 0 and run["tokens"] == run["requests"] * gpu.OUTPUT,
+        circuit_after=[w.get("circuit") for w in workers],
+        routable_after=[bool(w.get("routable")) for w in workers],
+        ejections=text.count("worker ejected"),
+        canaries_timed_out=len(re.findall(r"generate deadline expired\s+request_id=canary", text)),
+    )
+    log.info(
+        "saturated", complete=run["complete"], errors=run["errors"],
+        ejections=run["ejections"], canaries_timed_out=run["canaries_timed_out"],
+        tokens_per_s=round(run["tokens_per_s"]),
+    )  # fmt: skip
+    result["runs"].append(run)
     return result
 
 
@@ -194,11 +187,8 @@ def steps(model: Path, out: Path) -> list[tuple[str, Callable[[], dict[str, Any]
 
 def saturate_steps(model: Path, out: Path) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     quiet_multicast()
-    before = os.environ.get("SWITCHYARD_BEFORE")
     settings = dict(gpu.SETTINGS)
-    return [
-        ("saturated", lambda: saturated(model, out, settings, Path(before) if before else None))
-    ]
+    return [("saturated", lambda: saturated(model, out, settings))]
 
 
 def topology() -> dict[str, Any]:

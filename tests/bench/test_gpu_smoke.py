@@ -32,9 +32,7 @@ def smoke_phase(phase: str, model: Path, out: Path, unset: tuple[str, ...]) -> d
 
 @pytest.mark.timeout(900)  # two vLLM engines and four control planes start: about 2 minutes
 def test_the_fast_phase_runs_every_system_on_the_cpu(tiny_model_dir: Path, tmp_path: Path) -> None:
-    result = smoke_phase(
-        "fast", tiny_model_dir, tmp_path, ("SWITCHYARD_BEFORE", "SWITCHYARD_PY_SPY")
-    )
+    result = smoke_phase("fast", tiny_model_dir, tmp_path, ("SWITCHYARD_PY_SPY",))
     [fronts] = result["systems"]
     assert "error" not in fronts, fronts.get("error")
     labels = [r["label"] for r in fronts["runs"]]
@@ -95,10 +93,10 @@ def test_the_tp_phase_serves_both_parallel_sizes_on_the_cpu(
 def test_the_saturate_phase_holds_a_worker_at_its_load_on_the_cpu(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    result = smoke_phase("saturate", tiny_model_dir, tmp_path, ("SWITCHYARD_BEFORE",))
+    result = smoke_phase("saturate", tiny_model_dir, tmp_path, ())
     [saturated] = result["systems"]
     assert "error" not in saturated, saturated.get("error")
-    [run] = saturated["runs"]  # no $SWITCHYARD_BEFORE: this checkout's control plane alone
-    assert run["label"] == "control plane: this"
+    [run] = saturated["runs"]
+    assert run["label"] == "control plane"
     assert run["complete"] and run["requests"] == 8 * 3  # smoke: 8 at a time, three waves
     assert run["routable_after"] == [True] and run["ejections"] == 0
