@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 
 from bench import systems
-from bench.gpu.__main__ import (
+from bench.gpu.common import (
     SETTINGS,
     SMOKE_ENV,
     asyncllm_argv,
@@ -37,7 +37,7 @@ from bench.gpu.__main__ import (
     run_load,
     served_model,
 )
-from bench.gpu.__main__ import peer as gpu_peer
+from bench.gpu.common import peer as gpu_peer
 from bench.load.procload import start_delay_s
 
 log = structlog.get_logger(__name__)

@@ -33,7 +33,7 @@ from typing import Any
 import structlog
 
 from bench import systems
-from bench.gpu import __main__ as gpu
+from bench.gpu import common as gpu
 
 log = structlog.get_logger(__name__)
 

@@ -48,7 +48,7 @@ def test_command_line_runs_closed_and_open_loop_and_writes_json(tmp_path: Path) 
     worker = start_cpp_worker(tmp_path)
     out = tmp_path / "runs.json"
     argv = [
-        sys.executable, "-m", "bench.load.loadgen", "--target", "worker",
+        sys.executable, "-m", "bench.load", "--target", "worker",
         "--address", worker.address, "--concurrency", "1,4", "--rate", "40",
         "--requests", "12", "--prompt-len", "8-32", "--output-len", "16",
         "--json", str(out),
