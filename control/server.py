@@ -18,6 +18,7 @@ process serves is still refused first ("port in use").
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import shutil
 import signal
@@ -174,11 +175,10 @@ class ControlPlane:
             listen = f"{self.config.listen.rpartition(':')[0]}:{self.port}"
             self.pool = RouterPool(
                 self.routers,
-                listen,
+                self._router_shared(listen),
                 private,
                 len(self.servers),
                 self._metrics_dir,
-                self._shared_sections(),
                 self._internal_token,
             )
             await self.pool.start(self._models())
@@ -210,31 +210,18 @@ class ControlPlane:
         for server in self.servers[1:]:
             bind(server, f"{host}:{self.port}", credentials)
 
-    def _shared_sections(self) -> dict[str, Any]:
-        """The config sections the routers take over as they are."""
-        c = self.config
-        shared: dict[str, Any] = {
-            "api": {
-                "reflection": c.reflection,
-                "admin": c.admin,
-                "max_message_bytes": c.max_message_bytes,
-                "max_metadata_bytes": c.max_metadata_bytes,
-                "request_idle_s": c.request_idle_s,
-            }
-        }
-        if self.otlp_endpoint:
-            shared["tracing"] = {
-                "otlp_endpoint": self.otlp_endpoint,
-                "service_name": c.service_name,
-            }
-        if c.tls is not None:
-            tls = {"cert": c.tls.cert, "key": c.tls.key}
-            if c.tls.client_ca:
-                tls["client_ca"] = c.tls.client_ca
-            shared["tls"] = tls
-        if c.tokens_file:
-            shared["auth"] = {"tokens_file": c.tokens_file}
-        return shared
+    def _router_shared(self, listen: str) -> ServeConfig:
+        """What the routers' config shares with this process's: the address as bound,
+        api, tls, auth, and tracing to the endpoint this process found (in its config or
+        in OTEL_*); not the metrics or health ports, which only this process serves."""
+        return dataclasses.replace(
+            self.config,
+            listen=listen,
+            models=(),
+            metrics_listen=None,
+            health_listen=None,
+            otlp_endpoint=self.otlp_endpoint,
+        )
 
     def reload_tokens(self) -> None:
         """SIGHUP: read the tokens file again, here and in every router."""

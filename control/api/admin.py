@@ -8,11 +8,11 @@ from typing import Any, NoReturn
 
 import grpc
 import structlog
-from google.protobuf import json_format
 from switchyard.v1 import admin_pb2, admin_pb2_grpc
 
 from control.api.status import abort_rpc
 from control.config import ConfigError, parse_model
+from control.config_yaml import model_message_to_yaml
 from control.errors import (
     AlreadyExists,
     FieldViolation,
@@ -80,30 +80,6 @@ def _engine_shape(w: WorkerClient) -> dict[str, Any]:
     return shape
 
 
-def spec_to_dict(spec: admin_pb2.ModelSpec) -> dict[str, Any]:
-    """The request's spec as the config's mapping, so both go through one validation."""
-    raw: dict[str, Any] = {"name": spec.name, "engine": spec.engine, "model": spec.model}
-    if spec.tokenizer:
-        raw["tokenizer"] = spec.tokenizer
-    if spec.replicas:
-        raw["replicas"] = spec.replicas
-    if spec.workers:
-        raw["workers"] = list(spec.workers)
-    if spec.routing:
-        raw["routing"] = spec.routing
-    if spec.gpus:
-        raw["gpus"] = list(spec.gpus)
-    for name in ("engine_args", "limits", "health"):
-        if spec.HasField(name):
-            values = json_format.MessageToDict(getattr(spec, name))
-            # Struct numbers are doubles; whole numbers go back to ints for integer keys.
-            raw[name] = {
-                k: int(v) if isinstance(v, float) and v.is_integer() else v
-                for k, v in values.items()
-            }
-    return raw
-
-
 class AdminServicer(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
     def __init__(
         self,
@@ -123,7 +99,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
         started = time.monotonic()
         try:
             try:
-                spec = parse_model(spec_to_dict(request.spec), "spec")
+                spec = parse_model(model_message_to_yaml(request.spec), "spec")
             except ConfigError as e:
                 raise InvalidArgument([FieldViolation(e.key, str(e))]) from e
             if self._registry.find(spec.name) or spec.name in self._loader.loading:

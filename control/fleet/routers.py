@@ -27,10 +27,10 @@ from typing import Any
 
 import grpc
 import structlog
-import yaml
 from switchyard.v1 import admin_pb2, admin_pb2_grpc
 
-from control.config import ModelSpec
+from control.config import ModelSpec, ServeConfig
+from control.config_yaml import dump_config
 from control.fleet.models import ModelRegistry
 from control.fleet.supervisor import LocalWorker
 from control.metrics import mark_process_dead, router_env
@@ -40,45 +40,29 @@ log = structlog.get_logger(__name__)
 ROUTER_READY_TIMEOUT_S = 120.0
 INTERNAL_TOKEN_ENV = "SWITCHYARD_INTERNAL_TOKEN"
 FOLLOW_INTERVAL_S = 1.0
+_DEFAULT_DNS_INTERVAL_S = ModelSpec(name="", engine="", model="").dns_interval_s
 
 
-def router_config(listen: str, models: Sequence[tuple[ModelSpec, Sequence[str]]]) -> dict[str, Any]:
-    """A router's config: the supervisor's models, joined by their workers' addresses."""
-    out = []
+def router_config(
+    shared: ServeConfig, models: Sequence[tuple[ModelSpec, Sequence[str]]]
+) -> ServeConfig:
+    """A router's config: the sections it shares with the supervisor (`shared`: the
+    address it listens on, api, tracing, tls, auth), and the supervisor's models joined by
+    their workers' addresses (a router starts no worker of its own)."""
+    routed = []
     for spec, addresses in models:
-        m: dict[str, Any] = {
-            "name": spec.name,
-            "engine": spec.engine,
-            "model": spec.model,
-            "limits": {"max_concurrency": spec.max_concurrency, "max_queue": spec.max_queue},
-            "health": {
-                "canary_interval_s": spec.canary_interval_s,
-                "canary_timeout_s": spec.canary_timeout_s,
-                "failure_threshold": spec.failure_threshold,
-            },
-            "worker_stream": spec.worker_stream,
-        }
-        if spec.routing:
-            m["routing"] = spec.routing
-        if spec.kv_aware:
-            m["kv_aware"] = dict(spec.kv_aware)
-        if spec.chat_template is not None:
-            m["chat_template"] = spec.chat_template
-        if spec.worker_tls is not None:
-            m["worker_tls"] = {
-                k: v for k, v in dataclasses.asdict(spec.worker_tls).items() if v is not None
-            }
-        if spec.dns:
-            # Workers behind a name come and go: each router follows the name itself.
-            m["discovery"] = {"dns": spec.dns, "interval_s": spec.dns_interval_s}
-            if spec.workers:
-                m["workers"] = list(spec.workers)
-        else:
-            m["workers"] = list(addresses)
-        if spec.tokenizer:
-            m["tokenizer"] = spec.tokenizer
-        out.append(m)
-    return {"listen": listen, "models": out}
+        routed.append(
+            dataclasses.replace(
+                spec,
+                # Workers behind a name come and go: each router follows the name itself.
+                workers=spec.workers if spec.dns else tuple(addresses),
+                dns_interval_s=spec.dns_interval_s if spec.dns else _DEFAULT_DNS_INTERVAL_S,
+                replicas=1,
+                engine_args={},
+                gpus=(),
+            )
+        )
+    return dataclasses.replace(shared, models=tuple(routed))
 
 
 class RouterPool:
@@ -87,21 +71,21 @@ class RouterPool:
     def __init__(
         self,
         count: int,
-        listen: str,
+        shared: ServeConfig,
         supervisor: str,
         listeners: int = 1,
         metrics_dir: str | None = None,
-        shared: dict[str, Any] | None = None,
         internal_token: str | None = None,
     ) -> None:
         self.count = count
-        self.listen = listen
+        # What every router's config shares with the supervisor's: the address it
+        # listens on (as bound), api, tracing, tls, auth (`router_config`).
+        self.shared = shared
+        self.listen = shared.listen
         self.listeners = listeners  # each router's, as the supervisor's
         self.supervisor = supervisor  # the supervisor's private address, for Admin
         # Where the routers write their metrics for the supervisor's endpoint, if it has one.
         self.metrics_dir = metrics_dir
-        # Config sections every router shares with the supervisor (tracing, tls, auth, api).
-        self.shared = shared or {}
         self.internal_token = internal_token  # the routers' own admin token, if auth is on
         self._dir = Path(tempfile.mkdtemp(prefix="switchyard-routers-"))
         self._routers: list[LocalWorker] = []
@@ -146,9 +130,7 @@ class RouterPool:
     async def _spawn(self, models: Sequence[tuple[ModelSpec, Sequence[str]]]) -> list[LocalWorker]:
         self._generation += 1
         config = self._dir / f"routers-{self._generation}.yaml"
-        raw = router_config(self.listen, models)
-        raw.update(self.shared)
-        config.write_text(yaml.safe_dump(raw, sort_keys=False))
+        config.write_text(dump_config(router_config(self.shared, models)))
         routers = []
         ready_files = []
         for i in range(1, self.count):

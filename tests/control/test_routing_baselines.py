@@ -9,7 +9,8 @@ from typing import Any, cast
 
 import pytest
 
-from control.config import ModelSpec, parse_config
+from control.config import ModelSpec, ServeConfig, parse_config
+from control.config_yaml import config_to_yaml
 from control.fleet.models import ModelEntry
 from control.fleet.routers import router_config
 from control.routing import POLICIES, IndexedPolicy, RouteRequest, make_policy
@@ -138,11 +139,17 @@ def test_the_default_policy_is_kv_aware_where_workers_report_kv_events() -> None
 def test_router_processes_get_the_same_policy_and_weights() -> None:
     raw = {"name": "m", "engine": "sim", "model": "builtin:tiny", "kv_aware": {"load_weight": 0.5}}
     spec = parse_config({"models": [raw]}).models[0]
-    routed = parse_config(router_config("127.0.0.1:50070", [(spec, ["127.0.0.1:7001"])])).models[0]
+    shared = ServeConfig(listen="127.0.0.1:50070")
+
+    def routed_as(spec: ModelSpec) -> ModelSpec:
+        """The spec as a router reads it from the config the supervisor writes."""
+        config = router_config(shared, [(spec, ["127.0.0.1:7001"])])
+        return parse_config(config_to_yaml(config)).models[0]
+
+    routed = routed_as(spec)
     assert routed.routing == "" and routed.kv_aware == (("load_weight", 0.5),)
     named = parse_config({"models": [{**raw, "routing": "kv_aware"}]}).models[0]
-    again = parse_config(router_config("127.0.0.1:50070", [(named, ["127.0.0.1:7001"])])).models[0]
-    assert again.routing == "kv_aware"
+    assert routed_as(named).routing == "kv_aware"
 
 
 def test_kv_aware_learning_and_the_baselines_share_one_key_scheme() -> None:
