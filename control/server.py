@@ -42,7 +42,7 @@ from control.fleet.adapters import AdapterManager
 from control.fleet.gauges import FleetCollector
 from control.fleet.lifecycle import ModelLoader, StartupError
 from control.fleet.models import ModelRegistry
-from control.fleet.routers import AdminForwarder, RouterPool
+from control.fleet.router_processes import AdminForwarder, RouterPool
 from control.metrics import malformed_request, sample_tasks, scrape_registry
 from control.tracing import endpoint_from_env
 from switchyard_common.health import HealthServicer
@@ -63,7 +63,8 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class ControlPlane:
     """One control-plane process: the supervisor (and first router), or, with
-    `router_of`, one of the extra router processes it starts (see control/fleet/routers.py)."""
+    `router_of`, one of the extra router processes it starts (see
+    control/fleet/router_processes.py)."""
 
     def __init__(
         self,

@@ -177,7 +177,7 @@ def test_routers_follow_a_dns_name_themselves() -> None:
     supervisor happened to see at the start, so workers that join later reach it too."""
     from control.config import ModelSpec, ServeConfig, parse_model
     from control.config_yaml import config_to_yaml
-    from control.fleet.routers import router_config
+    from control.fleet.router_processes import router_config
 
     spec = ModelSpec(
         name="dns", engine="sim", model="builtin:tiny", dns="workers.local:7001", dns_interval_s=2

@@ -12,7 +12,7 @@ import pytest
 from control.config import ModelSpec, ServeConfig, parse_config
 from control.config_yaml import config_to_yaml
 from control.fleet.models import ModelEntry
-from control.fleet.routers import router_config
+from control.fleet.router_processes import router_config
 from control.routing import POLICIES, IndexedPolicy, RouteRequest, make_policy
 from control.routing.cache_aware import CacheAware
 from control.routing.dynamo_cost import DynamoCost
