@@ -23,7 +23,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from control.fleet.supervisor import cpp_worker_binary, free_port
+from control.fleet.local_workers import cpp_worker_binary, free_port
 
 log = structlog.get_logger(__name__)
 

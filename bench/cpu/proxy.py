@@ -34,7 +34,7 @@ from typing import Any
 from bench import systems
 from bench.load.loadgen import Workload
 from bench.load.procload import processes_for, spread_load, start_delay_s
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from switchyard_common.tinymodel import ensure_tiny_model
 
 

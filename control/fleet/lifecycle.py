@@ -17,13 +17,13 @@ from typing import Any
 import structlog
 
 from control.config import ModelSpec
-from control.fleet.models import ModelEntry, ModelRegistry
-from control.fleet.supervisor import (
+from control.fleet.local_workers import (
     LocalWorker,
     free_port,
     termination_log_path,
     worker_command,
 )
+from control.fleet.models import ModelEntry, ModelRegistry
 from control.text.tokenizer import Tokenizer
 from control.workers import health
 from control.workers.client import HealthPolicy, WorkerClient, WorkerInfo

@@ -12,7 +12,7 @@ import structlog
 from control.config import ModelSpec
 from control.errors import ModelNotFound, NoHealthyWorker
 from control.fleet.admission import Admission
-from control.fleet.supervisor import LocalWorker
+from control.fleet.local_workers import LocalWorker
 from control.metrics import ModelMetrics
 from control.routing import IndexedPolicy, Policy, RouteRequest, default_policy, make_policy
 from control.routing.kv_index import KvIndex

@@ -31,8 +31,8 @@ from switchyard.v1 import admin_pb2, admin_pb2_grpc
 
 from control.config import ModelSpec, ServeConfig
 from control.config_yaml import dump_config
+from control.fleet.local_workers import LocalWorker
 from control.fleet.models import ModelRegistry
-from control.fleet.supervisor import LocalWorker
 from control.metrics import mark_process_dead, router_env
 
 log = structlog.get_logger(__name__)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from tests.procs import Proc, start_process, wait_serving
 
 TOKEN = "cli-test-secret-0123456789abc"

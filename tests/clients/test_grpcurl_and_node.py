@@ -20,7 +20,7 @@ import grpc
 import pytest
 from switchyard.v1 import admin_pb2, admin_pb2_grpc
 
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from tests.pki import Pki, make_pki
 from tests.procs import Proc, start_process, wait_serving
 

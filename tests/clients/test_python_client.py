@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from switchyard.client import (
     NO_RETRY,
     AsyncClient,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from control.fleet.supervisor import cpp_worker_binary, free_port
+from control.fleet.local_workers import cpp_worker_binary, free_port
 from tests.procs import Proc, start_process, wait_serving
 
 # The simulator set up like the tiny model: same vocabulary, context and EOS id, and slow

@@ -19,7 +19,7 @@ import pytest
 from switchyard.v1 import common_pb2
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from control.fleet.supervisor import cpp_worker_binary, free_port
+from control.fleet.local_workers import cpp_worker_binary, free_port
 from tests.conformance.conftest import SIM_ARGS
 from tests.conformance.test_generate_stream import Session
 from tests.conformance.test_worker_conformance import PROMPT, generate

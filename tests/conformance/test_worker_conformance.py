@@ -406,7 +406,7 @@ def test_logprobs_beyond_the_declared_limit_are_refused(stub: Any, engine: str) 
 def _start_fresh(engine: str, tmp: Path, tiny_model_dir: Path) -> Proc:
     if engine == "sim":
         return start_cpp_worker(tmp, "drain-cpp")
-    from control.fleet.supervisor import free_port
+    from control.fleet.local_workers import free_port
 
     port = free_port()
     proc = start_process(

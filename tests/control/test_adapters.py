@@ -16,7 +16,7 @@ import grpc
 import pytest
 from switchyard.v1 import generation_pb2, generation_pb2_grpc
 
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from switchyard.client import Client, FailedPrecondition, InvalidArgument
 from switchyard.client.errors import NotFound, SwitchyardError
 from switchyard_common.tinyadapter import make_tiny_adapter

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from switchyard.client import Client, FailedPrecondition, InvalidArgument
 from tests.procs import Proc, serving_control
 

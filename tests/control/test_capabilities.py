@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from switchyard.client import Client, FailedPrecondition, InvalidArgument
 from tests.procs import Proc, start_process, wait_serving
 

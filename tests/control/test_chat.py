@@ -14,7 +14,7 @@ import pytest
 from switchyard.v1 import generation_pb2, generation_pb2_grpc
 from transformers import AutoTokenizer
 
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from switchyard.client import Client, FailedPrecondition, InvalidArgument
 from tests.procs import Proc, start_process, wait_serving
 

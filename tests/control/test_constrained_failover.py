@@ -32,7 +32,7 @@ from switchyard.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from bench.cpu.constraints import CASES, Case, Checker
 from bench.systems import descendants
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from tests.procs import Proc, start_process, wait_serving
 
 FR = common_pb2.FinishReason

@@ -6,7 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from control.fleet.supervisor import cpp_worker_binary, free_port
+from control.fleet.local_workers import cpp_worker_binary, free_port
 from tests.procs import serve_startup_failure
 
 

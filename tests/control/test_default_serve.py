@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from switchyard.v1 import generation_pb2, generation_pb2_grpc
 
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from tests.procs import start_process, wait_serving
 
 pytestmark = pytest.mark.engine

@@ -19,7 +19,7 @@ from grpc_status import rpc_status
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from tests.procs import Proc, start_process, wait_serving, worker_pid
 
 FR = common_pb2.FinishReason

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from control.workers import health
 from control.workers.client import HealthPolicy, WorkerClient, WorkerInfo
 from tests.procs import serving_control

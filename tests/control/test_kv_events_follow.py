@@ -18,8 +18,8 @@ from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from control.config import ModelSpec
 from control.fleet.lifecycle import ModelLoader
+from control.fleet.local_workers import free_port
 from control.fleet.models import ModelRegistry
-from control.fleet.supervisor import free_port
 from control.routing.kv_index import KvIndex, prompt_keys
 from control.workers import health
 from control.workers.client import WorkerClient

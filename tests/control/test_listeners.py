@@ -18,7 +18,7 @@ import grpc
 import pytest
 from switchyard.v1 import generation_pb2, generation_pb2_grpc
 
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from switchyard_common.ports import check_free
 from tests.procs import Proc, start_process, wait_serving
 

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from switchyard.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from tests.procs import Proc, serve_startup_failure, start_process, wait_serving
 
 SIM = (

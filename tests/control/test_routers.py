@@ -16,7 +16,7 @@ import psutil
 import pytest
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from tests.procs import Proc, start_process, wait_serving
 
 CONNECTIONS = 12

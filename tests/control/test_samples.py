@@ -13,7 +13,7 @@ import grpc
 import pytest
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from switchyard.client import Client, InvalidArgument
 from tests.procs import Proc, serving_control
 

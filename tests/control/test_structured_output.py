@@ -20,7 +20,7 @@ import jsonschema
 import pytest
 from switchyard.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from switchyard.client import Client, InvalidArgument
 from switchyard.client.errors import from_rpc_error
 from tests.procs import Proc, serving_control

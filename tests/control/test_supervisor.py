@@ -11,7 +11,7 @@ import pytest
 
 from control.config import ModelSpec
 from control.fleet import supervisor
-from control.fleet.supervisor import cpp_worker_binary, free_port, worker_command
+from control.fleet.local_workers import cpp_worker_binary, free_port, worker_command
 from control.text.tokenizer import Tokenizer
 
 
@@ -52,7 +52,7 @@ def test_sim_worker_takes_vocabulary_and_eos_from_the_tokenizer(tiny_model_dir: 
 async def test_local_worker_restarts_with_backoff_then_gives_up() -> None:
     import asyncio
 
-    from control.fleet.supervisor import LocalWorker
+    from control.fleet.local_workers import LocalWorker
 
     lw = LocalWorker("dies", ["/bin/false"], "127.0.0.1:1", backoff_s=(0.05, 0.1))
     await lw.start()

@@ -20,7 +20,7 @@ from switchyard.v1 import (
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from bench.gpu.tp import MULTICAST_OFF, process_envs
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from pyworker.cpu_binding import BIND_ENV, numa_nodes
 from tests.procs import serve_startup_failure, start_process, wait_serving
 

@@ -20,7 +20,7 @@ from switchyard.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from control.config import parse_config
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from control.server import ControlPlane
 from switchyard_common.rpc_status import FieldViolation, status_trailers
 

@@ -12,7 +12,7 @@ import pytest
 from switchyard.v1 import generation_pb2, generation_pb2_grpc
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from control.fleet.supervisor import cpp_worker_binary, free_port
+from control.fleet.local_workers import cpp_worker_binary, free_port
 from switchyard_common.tinymodel import ensure_tiny_model
 from tests.pki import make_pki
 from tests.procs import start_process, wait_serving

@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2
 
-from control.fleet.supervisor import free_port
+from control.fleet.local_workers import free_port
 from tests.fuzz import edge, wire
 from tests.fuzz.test_public_api import worker_in_flight
 from tests.pki import Pki, make_pki

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from switchyard.v1 import generation_pb2
 from switchyard.worker.v1 import worker_pb2
 
-from control.fleet.supervisor import cpp_worker_binary, free_port
+from control.fleet.local_workers import cpp_worker_binary, free_port
 from tests.fuzz import wire
 from tests.fuzz.test_public_api import assert_healthy_and_idle, worker_in_flight
 from tests.procs import Proc, start_process, wait_serving

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from control.fleet.supervisor import cpp_worker_binary
+from control.fleet.local_workers import cpp_worker_binary
 
 
 def trtllm_build_config(

@@ -13,7 +13,7 @@ import pytest
 from switchyard.v1 import common_pb2
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from control.fleet.supervisor import cpp_worker_binary, free_port
+from control.fleet.local_workers import cpp_worker_binary, free_port
 from tests.procs import Proc, start_process, wait_serving
 
 KV_BLOCKS = 2000

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from control.fleet.supervisor import cpp_worker_binary, free_port
+from control.fleet.local_workers import cpp_worker_binary, free_port
 from tests.fuzz import wire
 from tests.fuzz.test_public_api import worker_in_flight
 from tests.procs import Proc, start_process, wait_serving

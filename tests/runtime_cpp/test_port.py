@@ -14,7 +14,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from control.fleet.supervisor import cpp_worker_binary
+from control.fleet.local_workers import cpp_worker_binary
 
 
 @pytest.fixture
