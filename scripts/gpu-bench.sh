@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmark on the lent H200 (docs/benchmarks.md, "On an NVIDIA H200"). Runs there,
+# The GPU benchmark on the lent H200 (docs/results/gpu.md, gpu-fast.md, gpu-tp.md). Runs there,
 # from a device call, never in CI. The vLLM 0.26.0 bundle (shared/gpu/site_bundle.sh, made
 # into .gpu/) travels in parts, one device call each, to /tmp/parts; the Python stubs
 # travel with the call (carry build/cp311-cp311-linux_x86_64/python).

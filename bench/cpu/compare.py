@@ -1,12 +1,12 @@
 """Switchyard side by side with vLLM's own servers and the SMG gateway, in one run.
 
-    python -m bench.compare --setting quick      # about 10 minutes here
-    python -m bench.compare --setting full       # longer, more repeats
+    python -m bench.cpu.compare --setting quick      # about 10 minutes here
+    python -m bench.cpu.compare --setting full       # longer, more repeats
 
 Every system serves the same generated tiny model on vLLM for the CPU; the load is the
 same seeded workload with ignore_eos. Systems that share an engine are measured
-alternately at each concurrency. Writes docs/benchmarks.md, docs/benchmarks.json and
-PNG plots.
+alternately at each concurrency. Writes the raw figures to results/cpu/benchmarks.json.xz
+and the page, with its PNG plots, to docs/results/cpu.md.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from bench.load.loadgen import (
     summarize,
 )
 from bench.load.probe import ttft_probe
+from bench.results import PAGES, RAW, read_json, relative, write_json
+from bench.results import commit as results_commit
 from switchyard_common.logs import configure_logging
 from switchyard_common.tinymodel import ensure_tiny_model
 
@@ -198,7 +200,7 @@ def offline(model: Path, setting: Setting) -> dict[str, float]:
     return result
 
 
-def run(setting_name: str, out_dir: Path) -> dict[str, object]:
+def run(setting_name: str, out_dir: Path, raw: Path) -> dict[str, object]:
     setting = SETTINGS[setting_name]
     model = ensure_tiny_model()
     logs = Path(tempfile.mkdtemp(prefix="switchyard-bench-"))
@@ -307,6 +309,7 @@ def run(setting_name: str, out_dir: Path) -> dict[str, object]:
         "setting": setting_name,
         "workload": setting.describe(),
         "command": f"./scripts/bench --setting {setting_name}",
+        "commit": results_commit(),
         "machine": machine(),
         "versions": versions(),
         "results": [s.to_json() for s in results],
@@ -318,9 +321,8 @@ def run(setting_name: str, out_dir: Path) -> dict[str, object]:
         "minutes": (time.monotonic() - started) / 60,
         "logs": str(logs),
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "benchmarks.json").write_text(json.dumps(data, indent=1))
-    report.write(data, out_dir)
+    write_json(raw, data)
+    report.write(data, out_dir, relative(raw))
     return data
 
 
@@ -363,19 +365,18 @@ def versions() -> dict[str, str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--setting", choices=sorted(SETTINGS), default="quick")
-    p.add_argument("--out", type=Path, default=Path("docs"))
-    p.add_argument(
-        "--report-only", action="store_true", help="rewrite the report from OUT/benchmarks.json"
-    )
+    p.add_argument("--out", type=Path, default=PAGES, help="the page's folder (cpu.md, PNGs)")
+    p.add_argument("--json", type=Path, default=RAW / "cpu" / "benchmarks.json.xz")
+    p.add_argument("--report-only", action="store_true", help="rewrite the page from --json")
     args = p.parse_args()
     configure_logging()
     if args.report_only:
-        report.write(json.loads((args.out / "benchmarks.json").read_text()), args.out)
+        report.write(read_json(args.json), args.out, relative(args.json))
         return
-    data = run(args.setting, args.out)
+    data = run(args.setting, args.out, args.json)
     minutes = data["minutes"]
     assert isinstance(minutes, float)
-    log.info("done", minutes=round(minutes, 1), report=str(args.out / "benchmarks.md"))
+    log.info("done", minutes=round(minutes, 1), report=str(args.out / report.PAGE))
 
 
 if __name__ == "__main__":

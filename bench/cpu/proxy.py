@@ -1,14 +1,14 @@
 """CPU time per token of the control plane, with C++ simulator workers in place of GPUs.
 
-The H200 figures of docs/benchmarks.md need a GPU; what they depend on in Switchyard's
+The H200 figures of docs/results/gpu-fast.md need a GPU; what they depend on in Switchyard's
 own code is the CPU each process spends per streamed token. This drives the control
 plane from C++ simulator workers at a GPU's token rate and stream count (by default
 1000 streams at 30,000 tokens/s, as a 1B model gives on an H200), and reports, for
 every process, CPU milliseconds per 1000 tokens, side by side in one run:
 
-    python -m bench.cpu_proxy                         # worker direct, control plane x1, x2
-    python -m bench.cpu_proxy --streams 200 --rate 6000 --routers 1 2 4
-    python -m bench.cpu_proxy --streams 1000 --rate 16000 --routers 1 \
+    python -m bench.cpu.proxy                         # worker direct, control plane x1, x2
+    python -m bench.cpu.proxy --streams 200 --rate 6000 --routers 1 2 4
+    python -m bench.cpu.proxy --streams 1000 --rate 16000 --routers 1 \
         --listeners 1 16 1 16 --clients 2 --probe  # one process's accept: 1 against 16
 
 A change that adds per-token work shows as a larger figure for the control plane. The

@@ -1,4 +1,5 @@
-"""docs/benchmarks.md (and its PNG plots) from one run's results."""
+"""docs/results/cpu.md (and its PNG plots) from one run's results (bench.cpu.compare): the
+whole page, generated; the raw figures are in results/cpu/benchmarks.json.xz."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench.gpu import report as gpu_report
+from bench.results import PAGES
 
+PAGE = "cpu.md"
+THROUGHPUT_PNG, TTFT_PNG = "cpu-throughput.png", "cpu-ttft.png"
+RAW_NAME = "results/cpu/benchmarks.json.xz"
 PER_CALL = "switchyard (a worker call per request)"
 SYSTEMS = ("worker", "switchyard", PER_CALL, "vllm-grpc", "smg", "vllm-openai")
 LABELS = {
@@ -39,7 +43,8 @@ def _spread(values: list[float]) -> str:
     return "" if len(values) < 2 else f" ({min(values):,.0f}-{max(values):,.0f})"
 
 
-def write(data: dict[str, Any], out_dir: Path) -> None:
+def write(data: dict[str, Any], out_dir: Path = PAGES, raw: str = RAW_NAME) -> None:
+    """The page (OUT_DIR/cpu.md) and its plots from `data`, whose raw figures are at `raw`."""
     results: list[dict[str, Any]] = data["results"]
     by = _by(results)
     conc = sorted({int(r["load"]) for r in results})
@@ -53,9 +58,10 @@ def write(data: dict[str, Any], out_dir: Path) -> None:
     lines: list[str] = []
     add = lines.append
     m, v = data["machine"], data["versions"]
-    add("# Benchmarks: Switchyard beside vLLM's own servers and the SMG gateway\n")
+    add("# CPU benchmarks: Switchyard beside vLLM's own servers and the SMG gateway\n")
     add(
-        f"Produced by `{data['command']}` in {float(data['minutes']):.1f} minutes. "
+        f"Produced by `{data['command']}` at commit {data.get('commit', 'unknown')} in "
+        f"{float(data['minutes']):.1f} minutes. "
         "Every system serves the same generated tiny Llama on vLLM for the CPU (float32, "
         "`max_num_batched_tokens` 16384), started by the benchmark on loopback, one engine "
         f"at a time. Closed loop, the same seeded workload with `ignore_eos`: "
@@ -153,13 +159,11 @@ def write(data: dict[str, Any], out_dir: Path) -> None:
             )
         add("")
 
-    add("![throughput](bench-throughput.png)\n")
-    add("![ttft](bench-ttft.png)\n")
-    add("Raw numbers: `docs/benchmarks.json`.\n")
-    # The GPU section (bench.gpu_report) comes from another run: keep it.
-    md = out_dir / "benchmarks.md"
-    kept = gpu_report.kept_section(md.read_text()) if md.exists() else ""
-    md.write_text("\n".join(lines) + (f"\n{kept}\n" if kept else ""))
+    add(f"![throughput]({THROUGHPUT_PNG})\n")
+    add(f"![ttft]({TTFT_PNG})\n")
+    add(f"Raw numbers: `{raw}`.\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / PAGE).write_text("\n".join(lines))
     _plots(tput, ttft50, ttft99, offline, systems, conc, out_dir)
 
 
@@ -374,7 +378,7 @@ def _plots(
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_dir / "bench-throughput.png", dpi=110)
+    fig.savefig(out_dir / THROUGHPUT_PNG, dpi=110)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -390,5 +394,5 @@ def _plots(
     ax.set_title("TTFT distribution")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / "bench-ttft.png", dpi=110)
+    fig.savefig(out_dir / TTFT_PNG, dpi=110)
     plt.close(fig)

@@ -3,7 +3,7 @@ and on C++ simulator workers at once, with random cancels and deadlines, changin
 concurrency, constrained streams (structured output of every kind) among the vLLM
 traffic, and one worker killed (SIGKILL) every few minutes.
 
-    python -m bench.soak --minutes 20          # writes docs/soak.md, soak.json, soak-rss.png
+    python -m bench.cpu.soak --minutes 20    # docs/results/soak.md, results/soak/soak.json.xz
 
 It reports the RSS of every process over time, requests started and finished, streams
 that ended without exactly one final or one status (must be zero), constrained outputs
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import signal
@@ -34,12 +33,12 @@ from switchyard.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2,
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from bench.cpu.constraints import CASES, Case, Checker
+from bench.results import PAGES, RAW, commit, relative, write_json
 from bench.systems import control_plane, descendants
 from switchyard_common.logs import configure_logging
 from switchyard_common.tinymodel import ensure_tiny_model
 
 log = structlog.get_logger("soak")
-ROOT = Path(__file__).resolve().parents[2]
 WORDS = "the quick brown fox jumps over a lazy dog while trains 🚂 switch yards at night".split()
 
 
@@ -329,8 +328,10 @@ async def soak(args: argparse.Namespace, address: str, pid: int) -> dict[str, An
     }
 
 
-def write_report(result: dict[str, Any], out_dir: Path) -> None:
-    (out_dir / "soak.json").write_text(json.dumps(result, indent=1))
+def write_report(result: dict[str, Any], out_dir: Path, raw: Path) -> None:
+    """The page (OUT_DIR/soak.md) and its plot; the raw figures to `raw`."""
+    write_json(raw, result)
+    out_dir.mkdir(parents=True, exist_ok=True)
     names = sorted({n for s in result["rss"] for n in s["rss_mb"]})
     try:
         import matplotlib
@@ -366,7 +367,8 @@ def write_report(result: dict[str, Any], out_dir: Path) -> None:
     broken = result.get("constraint_violations", [])
     text = f"""# Soak
 
-`python -m bench.soak --minutes {result["minutes"]}`: {result["minutes"]} minutes through one
+`python -m bench.cpu.soak --minutes {result["minutes"]}` at commit {result.get("commit", "?")}:
+{result["minutes"]} minutes through one
 control plane on real vLLM (CPU) workers and C++ simulator workers at once: concurrency
 changing every phase, random cancels (after 0, 1 or 5 messages) and deadlines (50 ms, 0.5 s,
 5 s), stop strings and seeds, constrained streams of every kind (a fifth of the vLLM
@@ -396,6 +398,8 @@ RSS in MiB, first and last sample (every 5 s; the plot has them all):
 Violations, by kind: {result["contract_violations"] or "none"}
 
 Constrained outputs that broke their constraint: {broken or "none"}
+
+Raw figures: `{relative(raw)}`.
 """
     (out_dir / "soak.md").write_text(text)
 
@@ -407,7 +411,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sim-replicas", type=int, default=2)
     p.add_argument("--kill-every-s", type=float, default=180.0)
     p.add_argument("--phase-s", type=float, default=120.0)
-    p.add_argument("--out", type=Path, default=ROOT / "docs")
+    p.add_argument("--out", type=Path, default=PAGES, help="the page's folder (soak.md, PNG)")
+    p.add_argument("--json", type=Path, default=RAW / "soak" / "soak.json.xz")
     args = p.parse_args(argv)
     configure_logging("console", "info")
     ensure_tiny_model()
@@ -417,8 +422,8 @@ def main(argv: list[str] | None = None) -> None:
     yaml = models_yaml(args.vllm_replicas, args.sim_replicas)
     with control_plane(yaml, log_dir, name="soak-control") as (address, proc):
         result = asyncio.run(soak(args, address, proc.popen.pid))
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_report(result, args.out)
+    result["commit"] = commit()
+    write_report(result, args.out, args.json)
     log.info(
         "soak done",
         finished=result["finished"],

@@ -3,8 +3,8 @@ with grpc's own parsing, in one run: two grpc.aio servers in this process serve 
 trivial Generation servicer, one registered plainly and one through `Wire`, and one
 client times unary calls and streamed messages against each, alternating rounds.
 
-    python -m bench.wire_overhead                     # 3 rounds of 2000 calls, 20000 messages
-    python -m bench.wire_overhead --calls 5000 --messages 50000 --rounds 5
+    python -m bench.cpu.wire_overhead                     # 3 rounds of 2000 calls, 20000 messages
+    python -m bench.cpu.wire_overhead --calls 5000 --messages 50000 --rounds 5
 
 It prints microseconds per call and per streamed message for each, and their ratio. This
 is a benchmark, not a test: it asserts nothing.

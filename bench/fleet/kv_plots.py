@@ -1,14 +1,14 @@
 """Plots of the routing comparison (docs/kv-routing.md) from the benchmarks' JSON:
 
-    python -m bench.kv_plots --sim docs/kv-routing/sim-seed*.json \\
-        --rates docs/kv-routing/sim-rate*.json results/kv-routing/sim-seed0.json.xz \\
+    python -m bench.fleet.kv_plots --sim results/kv-routing/sim-seed*.json.xz \\
+        --rates results/kv-routing/sim-rate*.json.xz results/kv-routing/sim-seed0.json.xz \\
         --real results/kv-routing/real.json.xz --restart results/kv-routing/real-restart.json.xz \\
         --seeds results/kv-routing/real-seeds-2-4.json.xz results/kv-routing/real-seeds.json.xz \\
-        --out docs/kv-routing
+        --out docs/results/kv-routing
 
-`--sim` takes `bench.fleet_sim --json` files (one per seed: bars are the mean, whiskers
+`--sim` takes `bench.fleet.sim --json` files (one per seed: bars are the mean, whiskers
 the range); `--rates` such files at several offered loads (TTFT p99 against the load);
-`--real` and `--restart` `bench.kv_routing --json` files (bars per number of routers and
+`--real` and `--restart` `bench.fleet.kv_routing --json` files (bars per number of routers and
 of restarts); `--seeds` such files, one router's runs seed by seed. Needs matplotlib (the
 bench extra).
 """
@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.fleet import kv_summary
+from bench.results import read_json
 
 
 def _by_policy(files: Sequence[Path], fields: Sequence[str]) -> dict[str, dict[str, list[float]]]:
     """policy -> field -> one value per file, in the order the first file lists them."""
     out: dict[str, dict[str, list[float]]] = {}
     for f in files:
-        for r in kv_summary.read_json(f)["results"]:
+        for r in read_json(f)["results"]:
             row = out.setdefault(r["policy"], {k: [] for k in fields})
             for k in fields:
                 row[k].append(float(r[k]))
@@ -67,7 +68,7 @@ def plot_sim(files: Sequence[Path], out: Path) -> Path:
     axes[1].set_ylabel("prefix-cache hit rate, % of prompt tokens")
     _bars(axes[2], data, "output_tok_s", 1 / 1000)
     axes[2].set_ylabel("output tokens/s, thousands")
-    first = kv_summary.read_json(files[0])
+    first = read_json(files[0])
     workers = first["results"][0]["workers"]
     title = (
         f"Fleet simulation, {workers} simulated workers, tenants' traffic "
@@ -92,7 +93,7 @@ def plot_rates(files: Sequence[Path], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = sorted((kv_summary.read_json(f) for f in files), key=lambda d: d["workload"]["rate"])
+    runs = sorted((read_json(f) for f in files), key=lambda d: d["workload"]["rate"])
     rates = [d["workload"]["rate"] for d in runs]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name in [r["policy"] for r in runs[0]["results"]]:
@@ -118,7 +119,7 @@ def plot_real(file: Path, out: Path, name: str = "real.png") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run = kv_summary.read_json(file)
+    run = read_json(file)
     results = run["results"]
     names = list(dict.fromkeys(r["policy"] for r in results))
 

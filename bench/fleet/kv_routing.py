@@ -2,8 +2,9 @@
 of the fleet simulation, smaller, through the control plane; the hit rates are what the
 engines report (each request's `usage.cached_prompt_tokens`, vLLM's num_cached_tokens).
 
-    python -m bench.kv_routing --seeds 0 1 --routers 1 4 --json results/kv-routing/real.json.xz
-    python -m bench.kv_routing --policies kv_aware cache_aware prefix_affinity \
+    python -m bench.fleet.kv_routing --seeds 0 1 --routers 1 4 \
+        --json results/kv-routing/real.json.xz
+    python -m bench.fleet.kv_routing --policies kv_aware cache_aware prefix_affinity \
         --seeds 0 1 --restarts 1 --json results/kv-routing/real-restart.json.xz
 
 The workers start once; each policy's run (per seed, number of routers and of restarts)
@@ -40,8 +41,8 @@ import grpc
 import structlog
 
 from bench import systems
-from bench.fleet import kv_summary
 from bench.fleet.workload import TenantSpec, Workload, describe, make_workload, reuse_ceiling
+from bench.results import write_json
 from switchyard_common.logs import configure_logging
 from switchyard_common.tinymodel import ensure_tiny_model
 
@@ -432,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
             "results": [asdict(r) for r in results],
         }
-        kv_summary.write_json(args.json, data)
+        write_json(args.json, data)
     return 0 if all(r.completed == r.requests for r in results) else 1
 
 

@@ -1,22 +1,23 @@
-"""The real-worker routing runs (`bench.kv_routing --json`) summed up over their seeds:
+"""The real-worker routing runs (`bench.fleet.kv_routing --json`) summed up over their seeds:
 per setup (routers, restarts), each policy's mean hit rate and range, how far below the
 reuse ceiling, in how many seeds it was the highest, and each policy against `kv_aware`
 seed by seed. Several files may be given (runs of one seed from another invocation, say);
 for the same policy, seed and setup the later file's run counts.
 
-    python -m bench.kv_summary results/kv-routing/real.json.xz results/kv-routing/real-seeds.json.xz
+    python -m bench.fleet.kv_summary results/kv-routing/real.json.xz \
+        results/kv-routing/real-seeds.json.xz
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import lzma
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bench.results import read_json
 
 Setup = tuple[int, int]  # routers, restarts
 
@@ -49,23 +50,6 @@ class Row:
     below_ceiling: float  # mean, in points of hit rate
     highest_in: int  # seeds where no policy that ran the seed had more
     versus_kv: Versus | None  # None for kv_aware itself, or with no seed in common
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write results as JSON; xz-compressed when the name ends in `.xz`."""
-    text = json.dumps(data, indent=2) + "\n"
-    if path.suffix == ".xz":
-        path.write_bytes(lzma.compress(text.encode()))
-    else:
-        path.write_text(text)
-
-
-def read_json(path: Path) -> Any:
-    """A results file: JSON, or JSON compressed with xz (`.json.xz`, as the runs kept under
-    results/ are)."""
-    if path.suffix == ".xz":
-        return json.loads(lzma.decompress(path.read_bytes()))
-    return json.loads(path.read_text())
 
 
 def load(files: Iterable[Path]) -> tuple[list[Run], dict[int, float]]:
@@ -154,7 +138,7 @@ def markdown(table: Mapping[Setup, Sequence[Row]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser("python -m bench.fleet.kv_summary", description=__doc__)
-    ap.add_argument("files", type=Path, nargs="+", help="bench.kv_routing --json files")
+    ap.add_argument("files", type=Path, nargs="+", help="bench.fleet.kv_routing --json files")
     args = ap.parse_args(argv)
     runs, ceilings = load(args.files)
     print(markdown(summarize(runs, ceilings)))

@@ -6,8 +6,8 @@ by the real policy classes from `control.routing`. A discrete-event loop keeps o
 per worker: the next event is either the next (seeded Poisson) arrival or one iteration of
 the busy worker whose clock is furthest behind, whichever comes first.
 
-    python -m bench.fleet_sim --workers 64 --requests 20000 --rate 1000 --seed 0 \\
-        --markdown docs/fleet-simulation.md
+    python -m bench.fleet.sim --workers 64 --requests 20000 --rate 1000 --seed 0 \\
+        --markdown docs/results/fleet-simulation.md
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from typing import Any
 
 import switchyard_runtime as rt
 
-from bench.fleet import kv_summary
 from bench.fleet.workload import (
     TenantSpec,
     Workload,
@@ -41,6 +40,7 @@ from bench.fleet.workload import (
     make_workload,
     reuse_ceiling,
 )
+from bench.results import write_json
 from control.routing import POLICIES, IndexedPolicy, Policy, RouteRequest, make_policy
 from control.routing.kv_index import KvIndex
 
@@ -530,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data["reuse_ceiling"] = {"cached_prompt_tokens": ceiling[0], "prompt_tokens": ceiling[1]}
         data |= {"sim": asdict(params), "machine": machine()}
         data["results"] = [asdict(r) for r in results]
-        kv_summary.write_json(args.json, data)
+        write_json(args.json, data)
     return 0
 
 

@@ -4,7 +4,7 @@
     python -m bench.gpu --phase peers --out DIR      # vLLM's OpenAI and gRPC servers
     python -m bench.gpu --phase quant --out DIR      # quantization: fp8, kv_cache_dtype: fp8
     python -m bench.gpu --phase tp --out DIR         # tensor_parallel_size 1 and 2 (2 GPUs)
-    python -m bench.gpu --report DIR...              # the GPU section of docs/benchmarks.md
+    python -m bench.gpu --report DIR...              # docs/results/gpu.md
 
 Made for the lent H200 (scripts/gpu-bench.sh runs it there): an 8B Llama shape with random
 weights (`load_format: dummy`), the guide's workload (128 prompt and 256 output tokens,

@@ -25,6 +25,7 @@ import structlog
 from bench import systems
 from bench.load.loadgen import Workload
 from bench.load.procload import spread_load
+from bench.results import commit
 
 log = structlog.get_logger(__name__)
 
@@ -238,4 +239,5 @@ def environment() -> dict[str, Any]:
         "settings": SETTINGS,
         "workload": {"prompt": PROMPT, "output": OUTPUT, "loads": LOADS, "ignore_eos": True},
         "client_processes": CLIENT_PROCS,
+        "commit": commit(),
     }

@@ -138,7 +138,7 @@ def run_asyncllm(
 
 def ttft_pairs(cp: str, worker: str, model: str) -> dict[str, Any]:
     """Single requests, alternating between the worker and the control plane in front
-    (bench.compare's probe: distinct prompts, so neither hits the other's prefix cache)."""
+    (bench.cpu.compare's probe: distinct prompts, so neither hits the other's prefix cache)."""
     factories = [
         lambda: make_target("worker", worker, model),
         lambda: make_target("switchyard", cp, model),

@@ -1,11 +1,11 @@
 """Where a process's time goes, from py-spy's collapsed stacks (`py-spy record --format raw`).
 
-    python -m bench.profile_summary PROFILE.txt [--top 25]
+    python -m bench.gpu.profile_summary PROFILE.txt [--top 25]
 
 Prints, for the busiest functions, the share of samples in which each was on the stack
 (inclusive) and at the top of it (self), and the share of samples in which the process
 was idle (waiting in the event loop's selector, or in a thread's wait). The tables in
-docs/profiles.md come from this.
+docs/results/profiles.md come from this.
 """
 
 from __future__ import annotations

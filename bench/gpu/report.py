@@ -1,11 +1,10 @@
-"""The GPU section of docs/benchmarks.md, from the result folders of `bench.gpu` runs.
+"""docs/results/gpu.md, the 8B phases on the H200, from the result folders of `bench.gpu` runs.
 
     python -m bench.gpu --report RESULTS/fronts1 RESULTS/peers RESULTS/quant RESULTS/fronts2
 
 Each folder holds one phase's JSON (and, for `fronts`, the GPU memory CSV). The raw
-results go to docs/benchmarks-gpu.json, the memory plot to docs/gpu-memory.png, and the
-section replaces what stands between its markers in docs/benchmarks.md (bench.report
-keeps it when it rewrites the CPU part).
+results go to results/gpu/8b.json.xz, the memory plot to docs/results/gpu-memory.png, and
+the whole page is generated.
 
 A run is a "first pass" when it is a system's first run at that load after its 32-request
 warm-up, and "settled" when the same engine ran that load before: on vLLM 0.26 the first
@@ -20,8 +19,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
-BEGIN, END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
+from bench.results import PAGES, RAW, commit, relative, write_json
+
+PAGE = "gpu.md"
+MEMORY_PNG = "gpu-memory.png"
 COMMAND = (
     "`scripts/gpu-bench.sh run fronts`, `... run peers`, `... run quant` and `... run fronts` "
     "again (device calls on the lent H200; `scripts/gpu-bench.sh` says how the vLLM bundle "
@@ -44,6 +45,7 @@ RATIOS = (
     ("worker / vLLM OpenAI server, first pass", ("worker", "first"), ("openai", "first")),
     ("worker / vLLM gRPC server, first pass", ("worker", "first"), ("vLLM gRPC server", "first")),
 )
+RAW_NAME = "results/gpu/8b.json.xz"
 TARGETS = ("≥ 0.97", "≥ 0.97", "≥ 0.97", "> 1", "≥ 1")
 
 
@@ -136,15 +138,15 @@ def _workers(phases: list[dict[str, Any]], label: str, key: str) -> dict[str, An
     return {}
 
 
-def section(phases: list[dict[str, Any]]) -> str:
+def page(phases: list[dict[str, Any]], commit: str = "unknown", raw: str = RAW_NAME) -> str:
+    """The whole page: the 8B phases' figures, the command and the commit."""
     env = phases[0]["environment"]
     p = _passes(phases)
     lines: list[str] = []
     add = lines.append
     settings = ", ".join(f"`{k}: {json.dumps(v)}`" for k, v in env["settings"].items())
-    add(BEGIN)
-    add("## On an NVIDIA H200: the vLLM path against vLLM's own fronts\n")
-    add(f"Made by {COMMAND}.\n")
+    add("# GPU benchmarks: the vLLM path on an NVIDIA H200 against vLLM's own fronts\n")
+    add(f"Made by {COMMAND}, at commit {commit}.\n")
     gpu = env["gpu"].splitlines()[-1] if env.get("gpu") else "?"
     add(
         f"Machine: {gpu}, {env['cpus']} CPU cores; vLLM {env['vllm']}, torch {env['torch']}, "
@@ -219,7 +221,7 @@ def section(phases: list[dict[str, Any]]) -> str:
             add(
                 "Single requests (2 output tokens), alternating request by request between the "
                 "worker and the control plane in front of it, each with prompts of its own "
-                "(bench.compare's probe):\n"
+                "(bench.cpu.compare's probe):\n"
             )
         else:
             add(
@@ -285,7 +287,7 @@ def section(phases: list[dict[str, Any]]) -> str:
         )
     add(
         "\nWhat ListWorkers reported for each engine (weight and KV dtypes, quantization, KV "
-        "blocks) is in `docs/benchmarks-gpu.json` (`workers_at_start`).\n"
+        f"blocks) is in `{raw}` (`workers_at_start`).\n"
     )
     t, used, total = _memory(phases)
     if used:
@@ -303,10 +305,9 @@ def section(phases: list[dict[str, Any]]) -> str:
             "35-45 GB for vLLM; how much vLLM holds is what `gpu_memory_utilization` says, "
             f"{share} of the card here, not what the load needs.\n"
         )
-        add("![GPU memory](gpu-memory.png)\n")
-    add("Raw results: `docs/benchmarks-gpu.json`.")
-    add(END)
-    return "\n".join(lines)
+        add(f"![GPU memory]({MEMORY_PNG})\n")
+    add(f"Raw results: `{raw}`.")
+    return "\n".join(lines) + "\n"
 
 
 def _first_ttft(runs: list[dict[str, Any]], system: str, load: int) -> str:
@@ -316,41 +317,20 @@ def _first_ttft(runs: list[dict[str, Any]], system: str, load: int) -> str:
     return "-"
 
 
-def splice(existing: str, block: str) -> str:
-    """`existing` with its GPU section replaced by `block` (or `block` appended)."""
-    if BEGIN in existing and END in existing:
-        head, _, rest = existing.partition(BEGIN)
-        _, _, tail = rest.partition(END)
-        return head + block + tail
-    return existing.rstrip("\n") + "\n\n" + block + "\n"
-
-
-# A fast engine on the H200 (bench.gpu_fast, docs/profiles.md): written by hand from
-# its results, kept like the GPU section.
-FAST_BEGIN, FAST_END = "<!-- fast:begin -->", "<!-- fast:end -->"
-# Tensor parallelism on two GPUs (bench.gpu_tp), kept the same way.
-TP_BEGIN, TP_END = "<!-- tp:begin -->", "<!-- tp:end -->"
-
-
-def kept_section(existing: str) -> str:
-    """The GPU sections of `existing`, for bench.report to keep when it rewrites the rest."""
-    kept = []
-    for begin, end in ((BEGIN, END), (FAST_BEGIN, FAST_END), (TP_BEGIN, TP_END)):
-        if begin in existing and end in existing:
-            kept.append(begin + existing.partition(begin)[2].partition(end)[0] + end)
-    return "\n\n".join(kept)
-
-
-def write_report(folders: list[Path], docs: Path = DOCS) -> None:
+def write_report(
+    folders: list[Path], pages: Path = PAGES, raw: Path = RAW / "gpu" / "8b.json.xz"
+) -> None:
+    """The raw results of `folders` to `raw`, the page and its memory plot to `pages`."""
     phases = _load(folders)
     if not phases:
         raise SystemExit("no results in " + ", ".join(map(str, folders)))
-    raw = [{k: v for k, v in ph.items() if k != "gpu_memory_csv"} for ph in phases]
-    (docs / "benchmarks-gpu.json").write_text(json.dumps(raw, indent=1))
+    write_json(raw, [{k: v for k, v in ph.items() if k != "gpu_memory_csv"} for ph in phases])
+    pages.mkdir(parents=True, exist_ok=True)
     t, used, total = _memory(phases)
     if used:
         share = float(phases[0]["environment"]["settings"].get("gpu_memory_utilization", 0))
-        _plot(t, used, total, share, docs / "gpu-memory.png")
-    md = docs / "benchmarks.md"
-    md.write_text(splice(md.read_text() if md.exists() else "", section(phases)))
-    print(f"wrote {md}, {docs / 'benchmarks-gpu.json'}")
+        _plot(t, used, total, share, pages / MEMORY_PNG)
+    md = pages / PAGE
+    ran_at = phases[0]["environment"].get("commit") or commit()
+    md.write_text(page(phases, ran_at, relative(raw)))
+    print(f"wrote {md}, {raw}")

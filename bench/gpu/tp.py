@@ -10,7 +10,7 @@ processes was started with.
 NVLink multicast stays off (MULTICAST_OFF, set in this process's environment, which the
 control plane, its worker and vLLM's rank processes inherit), as that machine requires.
 
-    python -m bench.gpu_tp --summary DIR/tp.json    # the comparison, as Markdown
+    python -m bench.gpu.tp --summary DIR/tp.json    # the comparison, as Markdown
 
 `--phase saturate` (one GPU is enough) holds TP=1 at 1000 concurrent requests for three
 waves, so that the canary queues behind the load for longer than three of its intervals:

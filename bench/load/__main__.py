@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _spread(args: Any) -> None:
-    """A closed loop from several processes (bench.procload): one Python client tops out
+    """A closed loop from several processes (bench.load.procload): one Python client tops out
     at some thousands of streamed tokens per second."""
     results = []
     for c in args.concurrency:

@@ -6,7 +6,7 @@ streams over enough processes for the expected token rate (`processes_for`), sta
 together, and merges their records. Every result says how many processes it used and
 how busy each was (CPU seconds per wall second): a client near 1.0 was the limit.
 
-    python -m bench.procload --target switchyard --address 127.0.0.1:50051 --model m \\
+    python -m bench.load.procload --target switchyard --address 127.0.0.1:50051 --model m \\
         --concurrency 1000 --requests 2000 --rate 30000
 """
 

@@ -85,7 +85,7 @@ def test_event_fed_policies_hit_the_cache_more_than_round_robin_on_tenants_traff
 
 
 def test_with_several_routers_only_the_event_fed_policy_keeps_its_hit_rate() -> None:
-    # The small fleet of bench/kv_routing: 3 workers, 32-block caches of 128-token blocks.
+    # The small fleet of bench/fleet/kv_routing: 3 workers, 32-block caches of 128-token blocks.
     spec = kv_routing.SPEC
     params = dataclasses.replace(
         TENANT_SIM,

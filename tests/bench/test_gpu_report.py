@@ -1,30 +1,34 @@
-"""The GPU section of docs/benchmarks.md survives the CPU benchmark rewriting the rest."""
+"""bench.gpu.report writes the whole GPU page from phase results: here from the 8B run kept in
+results/gpu/, its raw figures back out compressed, and no text spliced between markers."""
 
 from __future__ import annotations
 
-from bench.gpu.report import BEGIN, END, kept_section, splice
+import json
+from pathlib import Path
+
+from bench.gpu.report import PAGE, page, write_report
+from bench.results import RAW, read_json
 
 
-def test_the_gpu_section_is_replaced_in_place_and_kept() -> None:
-    doc = "# Benchmarks\n\nCPU tables\n"
-    first = splice(doc, f"{BEGIN}\nH200 v1\n{END}")
-    assert first.startswith("# Benchmarks") and "H200 v1" in first
-    second = splice(first + "\ntail\n", f"{BEGIN}\nH200 v2\n{END}")
-    assert "H200 v1" not in second and "H200 v2" in second and second.endswith("tail\n")
-    assert kept_section(second) == f"{BEGIN}\nH200 v2\n{END}"
-    assert kept_section(doc) == ""
+def test_the_page_is_written_whole_from_the_kept_8b_run(tmp_path: Path) -> None:
+    phases = read_json(RAW / "gpu" / "8b.json.xz")
+    folders = []
+    for i, phase in enumerate(phases):  # one result folder per device call, as a run gives
+        folder = tmp_path / f"{i}-{phase['folder']}"
+        folder.mkdir()
+        (folder / f"{phase['phase']}.json").write_text(json.dumps(phase))
+        folders.append(folder)
+    pages, raw = tmp_path / "pages", tmp_path / "raw" / "8b.json.xz"
+    write_report(folders, pages, raw)
+    text = (pages / PAGE).read_text()
+    assert text.startswith("# GPU benchmarks")
+    assert "at commit " in text and "<!--" not in text
+    assert "### Throughput" in text and "### Ratios against the targets" in text
+    assert f"`{raw}`" in text  # outside the repository: named as given
+    assert [p["phase"] for p in read_json(raw)] == [p["phase"] for p in phases]
 
 
-def test_the_fast_engine_section_is_kept_too() -> None:
-    from bench.gpu.report import FAST_BEGIN, FAST_END
-
-    doc = f"# Benchmarks\n\nCPU\n\n{BEGIN}\nH200\n{END}\n\n{FAST_BEGIN}\n1B\n{FAST_END}\n"
-    assert kept_section(doc) == f"{BEGIN}\nH200\n{END}\n\n{FAST_BEGIN}\n1B\n{FAST_END}"
-    assert "1B" in splice(doc, f"{BEGIN}\nH200 v2\n{END}")
-
-
-def test_the_tensor_parallel_section_is_kept_too() -> None:
-    from bench.gpu.report import FAST_BEGIN, FAST_END, TP_BEGIN, TP_END
-
-    doc = f"CPU\n\n{FAST_BEGIN}\n1B\n{FAST_END}\n\n{TP_BEGIN}\nTP=2\n{TP_END}\n"
-    assert kept_section(doc) == f"{FAST_BEGIN}\n1B\n{FAST_END}\n\n{TP_BEGIN}\nTP=2\n{TP_END}"
+def test_the_page_names_its_commit_and_raw_file() -> None:
+    text = page(read_json(RAW / "gpu" / "8b.json.xz"), "abc1234")
+    assert "at commit abc1234" in text
+    assert "`results/gpu/8b.json.xz`" in text

@@ -1,4 +1,4 @@
-"""bench/kv_routing's own bookkeeping (its runs on real workers are measurements, not
+"""bench/fleet/kv_routing's own bookkeeping (its runs on real workers are measurements, not
 tests): the weights a variant names, and what a run's tally reports."""
 
 from __future__ import annotations
