@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from control.config import ModelSpec
-from control.fleet import supervisor
+from control.fleet import local_workers
 from control.fleet.local_workers import cpp_worker_binary, free_port, worker_command
 from control.text.tokenizer import Tokenizer
 
@@ -110,7 +110,7 @@ def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch)
         def getsockname(self) -> tuple[str, int]:
             return ("127.0.0.1", self.port)
 
-    monkeypatch.setattr(supervisor.socket, "socket", OneOffer)
+    monkeypatch.setattr(local_workers.socket, "socket", OneOffer)
     first, second = free_port(), free_port()
     assert (first, second) == (base + 10, base + 11)
 
