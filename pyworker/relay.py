@@ -26,7 +26,7 @@ from switchyard.worker.v1 import worker_pb2
 
 from pyworker.engine_errors import describe, refusal
 from pyworker.errors import EngineFailure, WorkerError
-from pyworker.generation import (
+from pyworker.generations import (
     Generations,
     logprobs,
     prompt_logprobs,

@@ -8,7 +8,7 @@ import asyncio
 from typing import Any
 
 from pyworker.errors import WorkerError
-from pyworker.generation import Generations
+from pyworker.generations import Generations
 from pyworker.load import InFlight
 from pyworker.relay import EventSink
 from pyworker.request import ParsedGenerate

@@ -22,7 +22,7 @@ from switchyard.worker.v1 import worker_pb2
 from pyworker.adapters import Adapter
 from pyworker.engine import Engine
 from pyworker.errors import WorkerError, abort_with
-from pyworker.generation import Generations, StreamClosed
+from pyworker.generations import Generations, StreamClosed
 from pyworker.kv_events import KvEvents
 from pyworker.request import deadline_after
 from pyworker.session import Session

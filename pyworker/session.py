@@ -26,7 +26,7 @@ import structlog
 from switchyard.worker.v1 import worker_pb2
 
 from pyworker.errors import AlreadyExists, EngineFailure, InvalidArgument, WorkerError
-from pyworker.generation import Generations
+from pyworker.generations import Generations
 from pyworker.relay import StreamedRequest
 from pyworker.request import deadline_after
 from pyworker.served import ServedRequest
