@@ -25,9 +25,10 @@ from control.api.status import abort_rpc, status_code
 from control.errors import Internal, InvalidArgument, SwitchyardError
 from control.fleet.models import ModelEntry, ModelRegistry
 from control.metrics import request_ended
-from control.request.prompts import encode_prompt
+from control.request.generation import Progress
+from control.request.prepare import prepare
 from control.request.samples import Collected, run_samples
-from control.text.params import MAX_PROMPT_CHARS, MAX_SAMPLES, parse_request
+from control.text.params import MAX_SAMPLES, check_prompt_text, parse_request
 from control.tracing import Span, SpanKind, extract, trace_id_of, tracer, with_span
 
 log = structlog.get_logger(__name__)
@@ -95,7 +96,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
         received = time.perf_counter()
         request_id = _request_id(request)
         entry: ModelEntry | None = None
-        code, finished = "OK", False
+        code = "OK"
+        progress = Progress()
         span = _server_span(context, rpc, request_id, request.model)
         ids: dict[str, str] = {"request_id": request_id, "model": request.model}
         trace_id = trace_id_of(span)
@@ -108,26 +110,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
                 caller = current_caller()
                 if caller is not None:
                     caller.check_model(entry.name)
-                gen = run_samples(
-                    entry, params, received, context.time_remaining(), with_span(span), caller
-                )
-                finals = params.n  # the stream is over after every sample's Final
+                prepared = await prepare(entry, params, received, context.time_remaining())
+                gen = run_samples(prepared, progress, with_span(span), caller)
                 async with contextlib.aclosing(gen):
                     async for resp in gen:
-                        if resp.HasField("final"):
-                            finals -= 1
-                            f = resp.final
-                            if f.HasField("cumulative_logprob"):  # a beam: the last has
-                                finished = f.HasField("total_usage")  # every beam's usage
-                            else:
-                                finished = finals == 0
                         yield resp
             except SwitchyardError as e:
                 code = status_code(e).name
                 await _abort(context, e)
             except (asyncio.CancelledError, GeneratorExit):
                 # The client went away, or its deadline passed, before the Final.
-                if not finished:
+                if not progress.over:
                     left = context.time_remaining()
                     expired = left is not None and left <= 0
                     code = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
@@ -177,14 +170,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
                 caller = current_caller()
                 if caller is not None:
                     caller.check_model(entry.name)
-                if len(request.text) > MAX_PROMPT_CHARS:
-                    raise InvalidArgument.one(
-                        "text", f"longer than {MAX_PROMPT_CHARS} characters ({len(request.text)})"
-                    )
+                too_long = check_prompt_text("text", request.text)
+                if too_long is not None:
+                    raise InvalidArgument([too_long])
                 add_special = (
                     request.add_special_tokens if request.HasField("add_special_tokens") else True
                 )
-                ids = await encode_prompt(entry.tokenizer, request.text, add_special)
+                ids = await entry.tokenizer.encode_off_loop(request.text, add_special)
                 return generation_pb2.TokenizeResponse(
                     token_ids=ids, tokens=entry.tokenizer.tokens(ids)
                 )

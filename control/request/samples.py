@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import AsyncGenerator
 
 from opentelemetry.context import Context
 from switchyard.v1 import common_pb2, generation_pb2
 
-from control.fleet.models import ModelEntry
-from control.request.capabilities import check_adapter, check_capabilities
-from control.request.generation import TokenBudget, run_generation
-from control.request.prompts import prompt_ids_of
-from control.text.params import GenerationParams
+from control.request.generation import Progress, TokenBudget, run_generation
+from control.request.prepare import PreparedRequest
 
 _Item = tuple[int, generation_pb2.GenerateResponse | BaseException | None]
 # Messages of all samples waiting for the caller: a slow reader holds the samples back
@@ -31,49 +27,25 @@ _Item = tuple[int, generation_pb2.GenerateResponse | BaseException | None]
 QUEUE_PER_SAMPLE = 4
 
 
-def sample_params(params: GenerationParams, prompt_ids: list[int], i: int) -> GenerationParams:
-    """Sample i as a request of its own: the prompt already tokenized, seed + i, its own
-    request id toward the workers; the prompt's logprobs (the same for every sample) asked
-    of sample 0 only."""
-    sampling = params.sampling
-    if sampling.seed is not None:
-        sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**64)
-    return dataclasses.replace(
-        params,
-        sampling=sampling,
-        prompt_ids=tuple(prompt_ids),
-        prompt_text=None,
-        messages=None,
-        request_id=f"{params.request_id}-{i}",
-        prompt_logprobs=params.prompt_logprobs if i == 0 else None,
-        n=1,
-    )
-
-
 async def run_samples(
-    entry: ModelEntry,
-    params: GenerationParams,
-    received_at: float,
-    time_remaining: float | None,
+    prepared: PreparedRequest,
+    progress: Progress,
     trace: Context | None = None,
     budget: TokenBudget | None = None,
 ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
-    """`run_generation` for n samples (n = 1 is run_generation itself)."""
-    if params.n <= 1:
-        gen = run_generation(entry, params, received_at, time_remaining, trace, budget)
+    """`run_generation` for n samples (n = 1 is run_generation itself); `progress.over`
+    is set as the last sample's Final goes out."""
+    n = prepared.params.n
+    if n <= 1:
+        gen = run_generation(prepared, progress, trace, budget)
         async with contextlib.aclosing(gen):
             async for msg in gen:
                 yield msg
         return
-    check_capabilities(entry, params)
-    await check_adapter(entry, params)
-    prompt_ids = await prompt_ids_of(entry, params)
-    queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=QUEUE_PER_SAMPLE * params.n)
+    queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=QUEUE_PER_SAMPLE * n)
 
     async def one(i: int) -> None:
-        gen = run_generation(
-            entry, sample_params(params, prompt_ids, i), received_at, time_remaining, trace, budget
-        )
+        gen = run_generation(prepared.sample(i), None, trace, budget)
         try:
             async with contextlib.aclosing(gen):
                 async for msg in gen:
@@ -83,9 +55,9 @@ async def run_samples(
             return
         await queue.put((i, None))
 
-    tasks = [asyncio.create_task(one(i)) for i in range(params.n)]
-    total = common_pb2.Usage(prompt_tokens=len(prompt_ids))
-    finals = running = params.n
+    tasks = [asyncio.create_task(one(i)) for i in range(n)]
+    total = common_pb2.Usage(prompt_tokens=len(prepared.prompt_ids))
+    finals = running = n
     try:
         while running:
             i, item = await queue.get()
@@ -99,7 +71,7 @@ async def run_samples(
             else:
                 final = item.final
                 final.index = i
-                final.request_id = params.request_id
+                final.request_id = prepared.params.request_id
                 total.completion_tokens += final.usage.completion_tokens
                 total.cached_prompt_tokens = max(
                     total.cached_prompt_tokens, final.usage.cached_prompt_tokens
@@ -107,6 +79,7 @@ async def run_samples(
                 finals -= 1
                 if finals == 0:
                     final.total_usage.CopyFrom(total)
+                    progress.over = True
             yield item
     finally:
         for task in tasks:

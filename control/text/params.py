@@ -8,11 +8,12 @@ context) once the prompt is tokenized, and settles `max_tokens`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from dataclasses import dataclass
 
-from switchyard.v1 import generation_pb2
+from switchyard.v1 import common_pb2, generation_pb2
 
 from control.errors import FieldViolation, InvalidArgument
 from control.text.constraints import Constraint, parse_constraint
@@ -43,6 +44,21 @@ class Sampling:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
+
+    def to_proto(self) -> common_pb2.SamplingParams:
+        """The settings given (None: the engine's default), as the workers take them."""
+        out = common_pb2.SamplingParams()
+        for name in SAMPLING_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(out, name, value)
+        return out
+
+
+# The sampling settings, as the API defines them: `Sampling` holds exactly these.
+SAMPLING_FIELDS = tuple(f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields)
+if SAMPLING_FIELDS != tuple(f.name for f in dataclasses.fields(Sampling)):
+    raise ImportError(f"Sampling's fields differ from SamplingParams': {SAMPLING_FIELDS}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +143,13 @@ class ModelLimits:
         return max_tokens
 
 
+def check_prompt_text(field: str, text: str) -> FieldViolation | None:
+    """A prompt text's length, checked before anything encodes it."""
+    if len(text) > MAX_PROMPT_CHARS:
+        return FieldViolation(field, f"longer than {MAX_PROMPT_CHARS} characters ({len(text)})")
+    return None
+
+
 def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
     v: list[FieldViolation] = []
     if not req.model:
@@ -144,12 +167,8 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
         prompt_text = req.text
         if not prompt_text:
             v.append(FieldViolation("text", "the prompt text is empty"))
-        elif len(prompt_text) > MAX_PROMPT_CHARS:
-            v.append(
-                FieldViolation(
-                    "text", f"longer than {MAX_PROMPT_CHARS} characters ({len(prompt_text)})"
-                )
-            )
+        elif (too_long := check_prompt_text("text", prompt_text)) is not None:
+            v.append(too_long)
             prompt_text = ""
     else:
         count = len(req.token_ids.ids)

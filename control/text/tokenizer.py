@@ -6,6 +6,7 @@ go straight to the Rust `tokenizers` backend when the tokenizer has one.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,10 @@ from control.text.detokenizer import IncrementalDetokenizer
 
 log = structlog.get_logger(__name__)
 
+
+# Text longer than this is tokenized in a thread, off the event loop, so that the loop
+# keeps serving every other stream meanwhile.
+INLINE_MAX_CHARS = 4096
 
 # transformers imports its classes lazily on first use, and two threads doing that first
 # import at once can see a half-initialised module ("cannot import name 'AutoTokenizer'").
@@ -44,6 +49,25 @@ class Tokenizer:
             return ids
         out: list[int] = self._hf.encode(text, add_special_tokens=add_special_tokens)
         return out
+
+    async def encode_off_loop(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode`, in a thread when the text is long."""
+        if len(text) <= INLINE_MAX_CHARS:
+            return self.encode(text, add_special_tokens)
+        return await asyncio.to_thread(self.encode, text, add_special_tokens)
+
+    async def encode_chat(
+        self, messages: Sequence[tuple[str, str]], template: str | None, model: str
+    ) -> list[int]:
+        """A conversation's prompt ids (`render_chat`, then `encode`; the template writes
+        the special tokens it wants, so none are added), in a thread when it is long."""
+
+        def render_and_encode() -> list[int]:
+            return self.encode(self.render_chat(messages, template, model), False)
+
+        if sum(len(content) for _, content in messages) <= INLINE_MAX_CHARS:
+            return render_and_encode()
+        return await asyncio.to_thread(render_and_encode)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         if self._fast is not None:

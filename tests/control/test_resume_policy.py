@@ -11,7 +11,8 @@ from typing import Any
 from switchyard.v1 import generation_pb2
 from switchyard.worker.v1 import worker_pb2
 
-from control.request.generation import build_worker_request
+from control.request.attempts import build_worker_request
+from control.request.prepare import PreparedRequest
 from control.request.resume import can_resume, resume_request, resume_seed
 from control.text.params import parse_request
 from control.workers.client import Capabilities
@@ -30,7 +31,8 @@ NEW = Capabilities(resume_tokens=True, resumable_constraints=frozenset({"regex",
 
 
 def resumed(p: Any, w: Any, prompt: list[int], so_far: list[int]) -> worker_pb2.GenerateRequest:
-    wreq = build_worker_request(p, prompt, 10, 0)
+    prepared = PreparedRequest(SimpleNamespace(), p, tuple(prompt), 10, 0.0, None)  # type: ignore[arg-type]
+    wreq = build_worker_request(prepared, 10, 0)
     resume_request(wreq, w, prompt, so_far, p)
     return wreq
 

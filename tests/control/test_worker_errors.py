@@ -200,12 +200,12 @@ async def test_an_engine_fault_is_internal_and_names_the_worker(
 async def test_a_bug_in_the_control_plane_is_internal_with_the_request_id(
     plane: generation_pb2_grpc.GenerationStub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from control.request import generation
+    from control.request import attempts
 
     def broken(*args: object) -> int:
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(generation, "build_worker_request", broken)
+    monkeypatch.setattr(attempts, "build_worker_request", broken)
     capture = structlog.testing.LogCapture()
     structlog.configure(processors=[structlog.contextvars.merge_contextvars, capture])
     try:

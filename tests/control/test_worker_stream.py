@@ -195,7 +195,7 @@ async def test_a_workers_field_violations_reach_the_client_by_their_public_names
     from switchyard.v1 import generation_pb2
 
     from control.errors import InvalidArgument
-    from control.request.generation import _client_error
+    from control.request.failover import client_error as to_client
     from control.text.params import parse_request
 
     wire = ScriptedCall()
@@ -212,7 +212,7 @@ async def test_a_workers_field_violations_reach_the_client_by_their_public_names
         await drain(call)
     assert failed.value.kind is FailureKind.REJECTED
     params = parse_request(generation_pb2.GenerateRequest(model="m", text="hi"))
-    client_error = _client_error(failed.value, params)
+    client_error = to_client(failed.value, params)
     assert isinstance(client_error, InvalidArgument)
     assert [v.field for v in client_error.violations] == ["stopping.max_tokens"]
 
