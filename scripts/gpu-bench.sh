@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark on the lent H200 (docs/results/gpu.md, gpu-fast.md, gpu-tp.md). Runs there,
-# from a device call, never in CI. The vLLM 0.26.0 bundle (shared/gpu/site_bundle.sh, made
-# into .gpu/) travels in parts, one device call each, to /tmp/parts; the Python stubs
+# from a device call, never in CI. The vLLM 0.26.0 site-packages bundle (split into parts
+# under .gpu/) travels one part per device call to /tmp/parts; the Python stubs
 # travel with the call (carry build/cp311-cp311-linux_x86_64/python).
 #   scripts/gpu-bench.sh copy .gpu/pN            # one call per part
 #   scripts/gpu-bench.sh run PHASE [PHASE...]    # fronts | peers | quant | fast | fast2 | saturate

@@ -1,5 +1,5 @@
 # Sourced by the scripts that run on the lent H200 (gpu-bench.sh, gpu-resume.sh): copy one
-# part of the vLLM 0.26.0 bundle (shared/gpu/site_bundle.sh, made into .gpu/) to
+# part of the vLLM 0.26.0 site-packages bundle (split into parts under .gpu/) to
 # /tmp/parts, or unpack the parts once and point PYTHONPATH at vLLM, this checkout and its
 # carried Python stubs (build/cp311-cp311-linux_x86_64/python).
 gpu_copy_part() {
