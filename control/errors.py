@@ -1,17 +1,30 @@
 """The control plane's typed errors.
 
-Every failure a client can see is raised as a `SwitchyardError` subclass somewhere in the
-request path; the servicers turn it into a status with rich details through the one table
-in `control.api.status`.
+Every failure a client can see is raised as a `StatusError`
+(`switchyard_common.status_error`) somewhere in the request path: one of the kinds both
+servers raise (`InvalidArgument`, `NotFound`, `AlreadyExists`, `Overloaded`, re-exported
+here) or a `ServiceError`, a kind only the control plane raises. Each class names its
+status code; the servicers turn an error into its status, rich details included, in one
+place, `control.api.status`.
 """
 
 from __future__ import annotations
 
+import grpc
+
 from switchyard_common.rpc_status import FieldViolation
+from switchyard_common.status_error import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    Overloaded,
+    StatusError,
+)
 
 __all__ = [
     "AdapterNotFound",
     "AlreadyExists",
+    "FailedPrecondition",
     "FieldViolation",
     "Internal",
     "InvalidArgument",
@@ -21,45 +34,46 @@ __all__ = [
     "NotFound",
     "NotResumable",
     "Overloaded",
-    "SwitchyardError",
+    "PermissionDenied",
+    "ServiceError",
+    "StatusError",
+    "Unauthenticated",
     "WorkerFailed",
 ]
 
 
-class SwitchyardError(Exception):
-    """Base of every error the control plane reports to a client."""
+class ServiceError(StatusError):
+    """Base of the errors only the control plane (the service clients call) reports.
+
+    Named for the service, not `SwitchyardError`: that name is the client library's
+    (`switchyard.client.errors.SwitchyardError`, what a caller reads back from these).
+    To catch every error a client can hear, catch `StatusError`: the kinds shared with
+    the worker are not `ServiceError`s."""
 
 
-class InvalidArgument(SwitchyardError):
-    def __init__(self, violations: list[FieldViolation]) -> None:
-        self.violations = violations
-        super().__init__("; ".join(f"{v.field}: {v.description}" for v in violations))
+class ModelNotFound(ServiceError):
+    """A request named a model not served here; the ResourceInfo names it."""
 
-    @classmethod
-    def one(cls, field: str, description: str) -> InvalidArgument:
-        return cls([FieldViolation(field, description)])
+    code = grpc.StatusCode.NOT_FOUND
 
-
-class ModelNotFound(SwitchyardError):
     def __init__(self, model: str, known: list[str]) -> None:
         self.model = model
-        super().__init__(f"model {model!r} is not served here; known models: {', '.join(known)}")
+        super().__init__(
+            f"model {model!r} is not served here; known models: {', '.join(known)}",
+            resource=("model", model),
+        )
 
 
-class Overloaded(SwitchyardError):
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        self.retry_after_s = retry_after_s
-        super().__init__(message)
+class NoHealthyWorker(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
 
 
-class NoHealthyWorker(SwitchyardError):
-    pass
-
-
-class NotResumable(SwitchyardError):
+class NotResumable(ServiceError):
     """A stream whose worker failed after its first token cannot go on elsewhere without
     breaking what the request asked for (its constraint): UNAVAILABLE, with how many
     tokens the caller has and why."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
     def __init__(self, tokens: int, failure: str, why: str) -> None:
         self.tokens = tokens
@@ -69,52 +83,63 @@ class NotResumable(SwitchyardError):
         )
 
 
-class WorkerFailed(SwitchyardError):
+class WorkerFailed(ServiceError):
     """The worker (named in the message) failed in a way the client must hear about."""
+
+    code = grpc.StatusCode.INTERNAL
 
     def __init__(self, worker: str, message: str) -> None:
         self.worker = worker
         super().__init__(f"worker {worker}: {message}")
 
 
-class AlreadyExists(SwitchyardError):
-    pass
-
-
-class NotFound(SwitchyardError):
-    """An operator named something that is not there (a model to unload, a worker)."""
-
-
 class AdapterNotFound(NotFound):
-    """A request (or UnloadAdapter) named a LoRA adapter the model does not hold."""
+    """A request (or UnloadAdapter) named a LoRA adapter the model does not hold; the
+    ResourceInfo names it."""
 
     def __init__(self, model: str, adapter: str, known: list[str] | None) -> None:
         self.adapter = adapter
         held = "" if known is None else f" (it holds: {', '.join(known) or 'none'})"
-        super().__init__(f"model {model!r} holds no adapter {adapter!r}{held}")
+        super().__init__(
+            f"model {model!r} holds no adapter {adapter!r}{held}",
+            resource=("adapter", adapter),
+        )
 
 
-class LoadFailed(SwitchyardError):
+class LoadFailed(ServiceError):
     """A model could not be loaded; the message has the cause, not a wrapper."""
 
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
-class Internal(SwitchyardError):
+
+class Internal(ServiceError):
     """A fault of the control plane itself (a bug): the client hears INTERNAL, with the
     request id, and the log has the traceback."""
 
+    code = grpc.StatusCode.INTERNAL
 
-class Unauthenticated(SwitchyardError):
+
+class Unauthenticated(ServiceError):
     """No bearer token, or one that is not in the tokens file."""
 
+    code = grpc.StatusCode.UNAUTHENTICATED
 
-class PermissionDenied(SwitchyardError):
+
+class PermissionDenied(ServiceError):
     """A known token without the scope, or the model, that the call needs."""
 
+    code = grpc.StatusCode.PERMISSION_DENIED
 
-class FailedPrecondition(SwitchyardError):
+
+class FailedPrecondition(ServiceError):
     """The request needs something the model does not have (a chat template, a feature
-    its engine lacks); the message names what, and `field` the request's field."""
+    its engine lacks); the message names what, and `field` the request's field, sent as
+    a PreconditionFailure (type "capability"). Not the worker's kind of the same code,
+    which names its field in a BadRequest."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
     def __init__(self, message: str, field: str | None = None) -> None:
         self.field = field
-        super().__init__(message)
+        precondition = None if field is None else ("capability", field, message)
+        super().__init__(message, precondition=precondition)

@@ -70,16 +70,16 @@ def read_rank(path: str) -> int:
     """The rank `r` of a PEFT adapter directory; InvalidArgument naming `path`."""
     config = Path(path) / "adapter_config.json"
     if not Path(path).is_dir():
-        raise InvalidArgument.field("path", f"{path!r} is not a directory on this worker")
+        raise InvalidArgument.for_field("path", f"{path!r} is not a directory on this worker")
     try:
         data = json.loads(config.read_text())
     except FileNotFoundError:
-        raise InvalidArgument.field("path", f"{path!r} has no adapter_config.json") from None
+        raise InvalidArgument.for_field("path", f"{path!r} has no adapter_config.json") from None
     except (OSError, ValueError) as exc:
-        raise InvalidArgument.field("path", f"{config} is not readable JSON: {exc}") from exc
+        raise InvalidArgument.for_field("path", f"{config} is not readable JSON: {exc}") from exc
     rank = data.get("r") if isinstance(data, dict) else None
     if not isinstance(rank, int) or rank < 1:
-        raise InvalidArgument.field("path", f"{config} has no positive integer rank 'r'")
+        raise InvalidArgument.for_field("path", f"{config} has no positive integer rank 'r'")
     return rank
 
 
@@ -113,7 +113,7 @@ class Adapters:
                 "with max_loras and max_lora_rank)"
             )
         if not ADAPTER_NAME.fullmatch(name):
-            raise InvalidArgument.field("name", ADAPTER_NAME_RULE)
+            raise InvalidArgument.for_field("name", ADAPTER_NAME_RULE)
         if name in self._loading:
             raise AlreadyExists(f"adapter {name!r} is being loaded")
         held = self._by_name.get(name)
@@ -124,7 +124,7 @@ class Adapters:
             raise AlreadyExists(f"adapter {name!r} is already {state}")
         rank = read_rank(path)
         if rank > self.limits.max_lora_rank:
-            raise InvalidArgument.field(
+            raise InvalidArgument.for_field(
                 "path",
                 f"adapter rank {rank} exceeds the engine's max_lora_rank "
                 f"{self.limits.max_lora_rank}",
@@ -158,7 +158,7 @@ class Adapters:
         if adapter is None or adapter.unloading:
             held = ", ".join(sorted(a.name for a in self.all() if not a.unloading)) or "none"
             why = "is being unloaded" if adapter else "is not loaded"
-            raise NotFound.field("adapter", f"adapter {name!r} {why} (loaded: {held})")
+            raise NotFound.for_field("adapter", f"adapter {name!r} {why} (loaded: {held})")
         adapter.in_flight.add(request_id)
         adapter.idle.clear()
         return adapter.request
@@ -175,7 +175,7 @@ class Adapters:
             raise FailedPrecondition("this engine was started without LoRA; it holds no adapters")
         adapter = self._by_name.get(name)
         if adapter is None or adapter.unloading:
-            raise NotFound.field("name", f"adapter {name!r} is not loaded")
+            raise NotFound.for_field("name", f"adapter {name!r} is not loaded")
         adapter.unloading = True
         return adapter
 

@@ -4,14 +4,14 @@ met an engine fault; `describe` turns an exception chain into one line."""
 
 from __future__ import annotations
 
-from pyworker.errors import EngineFailure, InvalidArgument, Overloaded, WorkerError
+from pyworker.errors import EngineFailure, InvalidArgument, Overloaded, StatusError
 
 
-def refusal(exc: BaseException, unnamed_field: str | None = None) -> WorkerError:
+def refusal(exc: BaseException, unnamed_field: str | None = None) -> StatusError:
     """What the caller hears of an engine error before the request's first token: its
     own fault naming the field (`unnamed_field` where vLLM names none), a full engine, or
     an engine failure."""
-    if isinstance(exc, WorkerError):  # already said (a check of the worker's own)
+    if isinstance(exc, StatusError):  # already said (a check of the worker's own)
         return exc
     kind = classify(exc)
     message = describe(exc)
@@ -19,13 +19,13 @@ def refusal(exc: BaseException, unnamed_field: str | None = None) -> WorkerError
         field = client_field(exc)
         if field == "request" and unnamed_field:
             field = unnamed_field
-        return InvalidArgument.field(field, message)
+        return InvalidArgument.for_field(field, message)
     if kind is Overloaded:
         return Overloaded(f"the engine is full: {message}")
     return EngineFailure(f"engine error: {message}")
 
 
-def classify(exc: BaseException) -> type[WorkerError] | None:
+def classify(exc: BaseException) -> type[StatusError] | None:
     """What vLLM's own error says about the request: the client's fault (its
     `VLLMClientError` family), a full engine (queue or prefill backlog limits), or
     nothing (an engine fault). Releases without `vllm.exceptions` say nothing, and a bare

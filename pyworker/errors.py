@@ -1,17 +1,26 @@
-"""The worker's error hierarchy and its one mapping to gRPC status codes.
+"""The worker's errors and its one mapping to gRPC statuses.
 
-Handlers raise `WorkerError` subclasses; each class names its code, and `abort_with()`
-turns one into a gRPC status with rich details built the same way as the control plane's
-(`switchyard_common.rpc_status`).
+Handlers raise `StatusError`s (`switchyard_common.status_error`): one of the kinds every
+Switchyard server raises (`InvalidArgument`, `NotFound`, `AlreadyExists`, `Overloaded`,
+re-exported here) or a `WorkerError`, a kind only the worker raises. Each class names
+its code, and `abort_with()` turns one into a gRPC status with rich details built the
+same way as the control plane's (`switchyard_common.rpc_status`).
 """
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Self
 
 import grpc
 
-from switchyard_common.rpc_status import FieldViolation, Trailers, status_trailers
+from switchyard_common.rpc_status import FieldViolation
+from switchyard_common.status_error import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    Overloaded,
+    StatusError,
+)
 
 __all__ = [
     "AlreadyExists",
@@ -21,65 +30,29 @@ __all__ = [
     "InvalidArgument",
     "NotFound",
     "Overloaded",
+    "StatusError",
     "Unavailable",
     "WorkerError",
     "abort_with",
-    "status_trailers_of",
 ]
 
 
-class WorkerError(Exception):
-    """Base of every error a worker RPC reports to its caller."""
-
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
-    violations: tuple[FieldViolation, ...] = ()
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-class InvalidArgument(WorkerError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-    def __init__(self, violations: list[FieldViolation]) -> None:
-        if not violations:
-            raise ValueError("InvalidArgument needs at least one violation")
-        message = "; ".join(f"{v.field}: {v.description}" for v in violations)
-        super().__init__(message)
-        self.violations = tuple(violations)
-
-    @classmethod
-    def field(cls, field: str, description: str) -> InvalidArgument:
-        return cls([FieldViolation(field, description)])
-
-
-class AlreadyExists(WorkerError):
-    code = grpc.StatusCode.ALREADY_EXISTS
-
-
-class NotFound(WorkerError):
-    """A name the worker does not hold (a LoRA adapter)."""
-
-    code = grpc.StatusCode.NOT_FOUND
-
-    @classmethod
-    def field(cls, field: str, description: str) -> NotFound:
-        err = cls(description)
-        err.violations = (FieldViolation(field, description),)
-        return err
+class WorkerError(StatusError):
+    """Base of the errors only a worker reports to its caller. To catch every error a
+    worker RPC can report, catch `StatusError`: the kinds shared with the control plane
+    are not `WorkerError`s."""
 
 
 class FailedPrecondition(WorkerError):
-    """The engine lacks what the call needs (LoRA on an engine started without it)."""
+    """The engine lacks what the call needs (LoRA on an engine started without it).
+    Not the control plane's kind of the same code: this one names its field in a
+    BadRequest, as the control plane reads a worker's refusals."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
 
     @classmethod
-    def field(cls, field: str, description: str) -> FailedPrecondition:
-        err = cls(f"{field}: {description}")
-        err.violations = (FieldViolation(field, description),)
-        return err
+    def for_field(cls, field: str, description: str) -> Self:
+        return cls(f"{field}: {description}", violations=[FieldViolation(field, description)])
 
 
 class EngineFailure(WorkerError):
@@ -88,24 +61,13 @@ class EngineFailure(WorkerError):
     code = grpc.StatusCode.INTERNAL
 
 
-class Overloaded(WorkerError):
-    """The worker holds as many requests as it may; the caller should go elsewhere."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
 class Unavailable(WorkerError):
     """The worker cannot take requests right now (shutting down, engine dead)."""
 
     code = grpc.StatusCode.UNAVAILABLE
 
 
-def status_trailers_of(error: WorkerError) -> Trailers:
-    """The rich status of `error`, as trailing metadata."""
-    return status_trailers(error.code, error.message, violations=error.violations)
-
-
-async def abort_with(context: grpc.aio.ServicerContext[Any, Any], error: WorkerError) -> NoReturn:
+async def abort_with(context: grpc.aio.ServicerContext[Any, Any], error: StatusError) -> NoReturn:
     """End the RPC with `error`'s code, message and rich details."""
-    await context.abort(error.code, error.message, trailing_metadata=status_trailers_of(error))
+    await context.abort(error.code, error.message, trailing_metadata=error.trailers())
     raise AssertionError("unreachable")  # context.abort raises

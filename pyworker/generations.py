@@ -28,8 +28,8 @@ from pyworker.errors import (
     EngineFailure,
     FailedPrecondition,
     InvalidArgument,
+    StatusError,
     Unavailable,
-    WorkerError,
 )
 from pyworker.load import InFlight, TokenRate
 from pyworker.request import ParsedGenerate, log_ids, parse_generate
@@ -65,7 +65,7 @@ class Sink(Protocol):
     async def time_limit(self, final: Any) -> None:
         """The TIME_LIMIT final, after the deadline aborted the request."""
 
-    async def error(self, exc: WorkerError) -> None:
+    async def error(self, exc: StatusError) -> None:
         """The request failed before its first token."""
 
 
@@ -99,7 +99,7 @@ class Generations:
 
     def admit(self, request: Any, request_id: str) -> tuple[InFlight, ParsedGenerate]:
         """Validate a request and count it in flight as the engine's `request_id`;
-        raises `WorkerError`. The caller must `release` it unless `serve` runs."""
+        raises `StatusError`. The caller must `release` it unless `serve` runs."""
         try:
             parsed = parse_generate(request, self._engine.info)
             if self._engine.errored:
@@ -109,7 +109,7 @@ class Generations:
             if parsed.adapter:
                 lora = self.adapters.acquire(parsed.adapter, request_id)
                 parsed = dataclasses.replace(parsed, lora_request=lora)
-        except WorkerError as exc:
+        except StatusError as exc:
             log.info("generate rejected", request_id=request_id, code=exc.code.name, error=str(exc))
             raise
         state = InFlight(
@@ -144,7 +144,7 @@ class Generations:
                 ),
             )
             await sink.time_limit(final)
-        except WorkerError as exc:
+        except StatusError as exc:
             log.warning("generate failed", **ids, error=str(exc))
             await self._guard_abort(state)
             await sink.error(exc)
@@ -194,7 +194,7 @@ class Generations:
         try:
             return ResumeGuard(await asyncio.to_thread(self._resume.primed, spec, stops))
         except CannotResume as exc:
-            raise FailedPrecondition.field(
+            raise FailedPrecondition.for_field(
                 "resume_token_ids",
                 f"the constraint cannot continue after these {len(spec.output)} tokens: {exc}",
             ) from exc
@@ -283,7 +283,7 @@ class Generations:
                             final.time_to_first_token_ms = (first_token_at - arrived) * 1000.0
                         state.finished = True
                         await _outside(budget, when, sink.final(final))
-        except (asyncio.CancelledError, TimeoutError, WorkerError, StreamClosed):
+        except (asyncio.CancelledError, TimeoutError, StatusError, StreamClosed):
             raise
         except Exception as exc:
             if state.finished:  # the Final is out; nothing left to tell the client
@@ -339,7 +339,7 @@ class Generations:
             if not state.aborted:  # the search's own task, cancelled by neither
                 raise EngineFailure("the beam search was cancelled in the engine") from exc
             final = worker_pb2.Final(finish_reason=common_pb2.FINISH_REASON_CANCELLED)
-        except (TimeoutError, WorkerError):
+        except (TimeoutError, StatusError):
             raise
         except Exception as exc:
             raise refusal(exc) from exc
@@ -454,7 +454,7 @@ class Generations:
                 await self._engine.llm.add_lora(lora)
             except Exception as exc:
                 log.warning("adapter failed to load", adapter=name, path=path, exc_info=True)
-                raise InvalidArgument.field(
+                raise InvalidArgument.for_field(
                     "path", f"the engine could not load the adapter: {describe(exc)}"
                 ) from exc
             return self.adapters.add(name, path, lora, lora_id)

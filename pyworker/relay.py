@@ -25,7 +25,7 @@ from switchyard.v1 import common_pb2
 from switchyard.worker.v1 import worker_pb2
 
 from pyworker.engine_errors import describe, refusal
-from pyworker.errors import EngineFailure, WorkerError
+from pyworker.errors import EngineFailure, StatusError
 from pyworker.generations import (
     Generations,
     logprobs,
@@ -49,7 +49,7 @@ class EventSink(Protocol):
 
     def final(self, final: Any) -> None: ...
 
-    def error(self, exc: WorkerError) -> None: ...
+    def error(self, exc: StatusError) -> None: ...
 
 
 class StreamedRequest:

@@ -130,7 +130,7 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
         elif resume:
             constraint_field = f"constraint.{kind}"
             if kind not in info.resumable_constraints:
-                raise FailedPrecondition.field(
+                raise FailedPrecondition.for_field(
                     "resume_token_ids",
                     f"this engine cannot continue a {kind} constraint after another "
                     f"worker's tokens (it resumes: {_names(info.resumable_constraints)})",
@@ -165,7 +165,7 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
         )
     except Exception as exc:  # vLLM's own checks, should ours miss one
         field = getattr(exc, "parameter", None) or "sampling"
-        raise InvalidArgument.field(str(field), str(exc)) from exc
+        raise InvalidArgument.for_field(str(field), str(exc)) from exc
     return ParsedGenerate(
         prompt_token_ids=prompt,
         sampling_params=params,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pyworker.errors import WorkerError
+from pyworker.errors import StatusError
 from pyworker.generations import Generations
 from pyworker.load import InFlight
 from pyworker.relay import EventSink
@@ -31,7 +31,7 @@ class _Events:
     async def time_limit(self, final: Any) -> None:
         self._sink.final(final)
 
-    async def error(self, exc: WorkerError) -> None:
+    async def error(self, exc: StatusError) -> None:
         self._sink.error(exc)
 
 

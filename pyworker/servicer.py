@@ -21,7 +21,7 @@ from switchyard.worker.v1 import worker_pb2
 
 from pyworker.adapters import Adapter
 from pyworker.engine import Engine
-from pyworker.errors import WorkerError, abort_with
+from pyworker.errors import StatusError, abort_with
 from pyworker.generations import Generations, StreamClosed
 from pyworker.kv_events import KvEvents
 from pyworker.request import deadline_after
@@ -54,7 +54,7 @@ class WorkerServicer:
         arrived = time.monotonic()
         try:
             state, parsed = self.generations.admit(request, request.request_id or uuid.uuid4().hex)
-        except WorkerError as exc:
+        except StatusError as exc:
             await abort_with(context, exc)
         remaining = context.time_remaining()
         deadline: float | None = None
@@ -68,7 +68,7 @@ class WorkerServicer:
     async def Abort(self, request: Any, context: Context) -> Any:
         try:
             aborted = await self.generations.abort(request.request_ids)
-        except WorkerError as exc:
+        except StatusError as exc:
             await abort_with(context, exc)
         return worker_pb2.AbortResponse(aborted=aborted)
 
@@ -129,7 +129,7 @@ class WorkerServicer:
     async def LoadAdapter(self, request: Any, context: Context) -> Any:
         try:
             adapter = await self.generations.load_adapter(request.name, request.path)
-        except WorkerError as exc:
+        except StatusError as exc:
             log.info("load adapter refused", adapter=request.name, error=exc.message)
             await abort_with(context, exc)
         return worker_pb2.LoadAdapterResponse(adapter=_adapter_info(adapter))
@@ -139,7 +139,7 @@ class WorkerServicer:
             drained, cancelled = await self.generations.unload_adapter(
                 request.name, request.grace_ms / 1000.0
             )
-        except WorkerError as exc:
+        except StatusError as exc:
             await abort_with(context, exc)
         return worker_pb2.UnloadAdapterResponse(
             waited_requests=drained, cancelled_requests=cancelled
@@ -189,7 +189,7 @@ class CallSink:
             # Never a silent OK without a final.
             await self._context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline expired")
 
-    async def error(self, exc: WorkerError) -> None:
+    async def error(self, exc: StatusError) -> None:
         await abort_with(self._context, exc)
 
 

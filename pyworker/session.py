@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 from switchyard.worker.v1 import worker_pb2
 
-from pyworker.errors import AlreadyExists, EngineFailure, InvalidArgument, WorkerError
+from pyworker.errors import AlreadyExists, EngineFailure, InvalidArgument, StatusError
 from pyworker.generations import Generations
 from pyworker.relay import StreamedRequest
 from pyworker.request import deadline_after
@@ -96,7 +96,9 @@ class Session:
         attempt_id = int(request.attempt_id)
         try:
             if attempt_id == 0:
-                raise InvalidArgument.field("attempt_id", "required (nonzero) on GenerateStream")
+                raise InvalidArgument.for_field(
+                    "attempt_id", "required (nonzero) on GenerateStream"
+                )
             if attempt_id in self._requests:
                 raise AlreadyExists(f"attempt_id {attempt_id} is already open on this stream")
             # Unique for every start, even one reusing the attempt id of a cancelled
@@ -105,7 +107,7 @@ class Session:
                 f"{request.request_id or 'request'}@{self._number}.{attempt_id}.{next(self._seq)}"
             )
             state, parsed = self._generations.admit(request, engine_id)
-        except WorkerError as exc:
+        except StatusError as exc:
             self._error(attempt_id, exc)
             return
         except Exception as exc:  # a bug of ours: this attempt fails, the stream goes on
@@ -176,7 +178,7 @@ class Session:
         self._open_chunks.pop(attempt_id, None)
         self._ready.set()
 
-    def _error(self, attempt_id: int, exc: WorkerError) -> None:
+    def _error(self, attempt_id: int, exc: StatusError) -> None:
         """An error event: the attempt's own (the sink ends it), or a start refused (which
         leaves an open attempt with the same id alone)."""
         error = worker_pb2.StreamError(
@@ -231,7 +233,7 @@ class _EventSink:
     def final(self, final: Any) -> None:
         self._session._final(self._attempt_id, final)
 
-    def error(self, exc: WorkerError) -> None:
+    def error(self, exc: StatusError) -> None:
         if self._attempt_id in self._session._live:
             self._session._live.discard(self._attempt_id)
             self._session._error(self._attempt_id, exc)

@@ -19,7 +19,7 @@ from control.errors import (
     InvalidArgument,
     LoadFailed,
     NotFound,
-    SwitchyardError,
+    StatusError,
 )
 from control.fleet.adapters import AdapterManager, AdapterSpec
 from control.fleet.lifecycle import ModelLoader
@@ -108,7 +108,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
                 entry = await self._loader.load(spec)
             except Exception as e:  # the operator hears why, whatever broke
                 raise LoadFailed(f"model {spec.name!r} failed to load: {e}") from e
-        except SwitchyardError as e:
+        except StatusError as e:
             await _abort(context, e)
         self._on_change()
         return admin_pb2.LoadModelResponse(
@@ -163,7 +163,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
         try:
             spec, seconds = await self._adapters.load(request.model, request.name, request.path)
             entry = self._registry.get(request.model)
-        except SwitchyardError as e:
+        except StatusError as e:
             await _abort(context, e)
         return admin_pb2.LoadAdapterResponse(adapter=_adapter(entry, spec), load_seconds=seconds)
 
@@ -173,7 +173,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
         grace = request.grace_s if request.HasField("grace_s") else DEFAULT_GRACE_S
         try:
             drained, cancelled = await self._adapters.unload(request.model, request.name, grace)
-        except SwitchyardError as e:
+        except StatusError as e:
             await _abort(context, e)
         return admin_pb2.UnloadAdapterResponse(
             drained_requests=drained, cancelled_requests=cancelled
@@ -184,7 +184,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):  # type: ignore[misc]
     ) -> admin_pb2.ListAdaptersResponse:
         try:
             listed = self._adapters.listed(request.model)
-        except SwitchyardError as e:
+        except StatusError as e:
             await _abort(context, e)
         return admin_pb2.ListAdaptersResponse(adapters=[_adapter(e, s) for e, s in listed])
 
@@ -201,6 +201,6 @@ def _adapter(entry: ModelEntry, spec: AdapterSpec) -> admin_pb2.Adapter:
     )
 
 
-async def _abort(context: Context, err: SwitchyardError) -> NoReturn:
+async def _abort(context: Context, err: StatusError) -> NoReturn:
     log.info("admin request failed", error=str(err))
     await abort_rpc(context, err)

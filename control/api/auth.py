@@ -43,7 +43,7 @@ import yaml
 
 from control.api.status import to_rpc_status
 from control.config import ConfigError
-from control.errors import Overloaded, PermissionDenied, SwitchyardError, Unauthenticated
+from control.errors import Overloaded, PermissionDenied, StatusError, Unauthenticated
 
 log = structlog.get_logger(__name__)
 
@@ -301,7 +301,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                             f"{caller.limiter.requests_per_s:g} requests per second",
                             wait,
                         )
-        except SwitchyardError as e:
+        except StatusError as e:
             log.info("call refused", method=method, error=str(e))
             return _refusal(handler, e)
         # The handler runs in this task next: it sees the caller.
@@ -318,7 +318,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         return caller
 
 
-def _refusal(handler: Any, err: SwitchyardError) -> Any:
+def _refusal(handler: Any, err: StatusError) -> Any:
     """A handler of the same kind as `handler` that ends the call with `err`."""
     code, message, trailers = to_rpc_status(err)
 

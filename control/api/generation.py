@@ -1,8 +1,8 @@
 """`switchyard.v1.Generation`: the public API, over grpc.aio.
 
 Each handler binds the request's id and model to the log context, so every line logged
-while serving it carries them. A `SwitchyardError` becomes its status through the one
-table (`control.api.status`); anything else is a fault of ours: it is logged with its
+while serving it carries them. A `StatusError` becomes its status in one place
+(`control.api.status`); anything else is a fault of ours: it is logged with its
 traceback and the client hears INTERNAL with the request id, never grpc's UNKNOWN.
 """
 
@@ -22,7 +22,7 @@ from switchyard.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from control.api.auth import current_caller
 from control.api.status import abort_rpc, status_code
-from control.errors import Internal, InvalidArgument, SwitchyardError
+from control.errors import Internal, InvalidArgument, StatusError
 from control.fleet.models import ModelEntry, ModelRegistry
 from control.metrics import request_ended
 from control.request.generation import Progress
@@ -35,7 +35,7 @@ log = structlog.get_logger(__name__)
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
-async def _abort(context: Any, err: SwitchyardError) -> NoReturn:
+async def _abort(context: Any, err: StatusError) -> NoReturn:
     log.debug("request rejected", error=str(err))
     await abort_rpc(context, err)
 
@@ -115,7 +115,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
                 async with contextlib.aclosing(gen):
                     async for resp in gen:
                         yield resp
-            except SwitchyardError as e:
+            except StatusError as e:
                 code = status_code(e).name
                 await _abort(context, e)
             except (asyncio.CancelledError, GeneratorExit):
@@ -180,7 +180,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
                 return generation_pb2.TokenizeResponse(
                     token_ids=ids, tokens=entry.tokenizer.tokens(ids)
                 )
-            except SwitchyardError as e:
+            except StatusError as e:
                 code = status_code(e).name
                 await _abort(context, e)
             except Exception as e:

@@ -26,7 +26,7 @@ from control.errors import (
     InvalidArgument,
     NoHealthyWorker,
     NotFound,
-    SwitchyardError,
+    StatusError,
 )
 from control.fleet.models import ModelEntry, ModelRegistry
 from control.workers.client import WorkerClient
@@ -164,5 +164,5 @@ class AdapterManager:
             w.adapters.add(spec.name)
             log.info("adapter restored", worker=w.address, adapter=spec.name)
         else:
-            with contextlib.suppress(SwitchyardError):
+            with contextlib.suppress(StatusError):
                 await w.unload_adapter(spec.name, 0.0)

@@ -23,7 +23,7 @@ def check_capabilities(entry: ModelEntry, params: GenerationParams) -> None:
                 f"not {params.logprobs} alternatives (ask for 0)",
                 field="output.logprobs",
             )
-        raise InvalidArgument.one(
+        raise InvalidArgument.for_field(
             "output.logprobs",
             f"{engine} returns at most {caps.max_logprobs} alternatives, got {params.logprobs}",
         )
@@ -34,7 +34,7 @@ def check_capabilities(entry: ModelEntry, params: GenerationParams) -> None:
             field="output.prompt_logprobs",
         )
     if wanted is not None and wanted > caps.max_logprobs:
-        raise InvalidArgument.one(
+        raise InvalidArgument.for_field(
             "output.prompt_logprobs",
             f"{engine} returns at most {caps.max_logprobs} alternatives, got {wanted}",
         )
@@ -49,7 +49,7 @@ def check_capabilities(entry: ModelEntry, params: GenerationParams) -> None:
     if params.beam_width > 1 and not caps.beam_search:
         raise FailedPrecondition(f"beam_width: {engine} has no beam search", field="beam_width")
     if params.beam_width > caps.max_beam_width > 0:
-        raise InvalidArgument.one(
+        raise InvalidArgument.for_field(
             "beam_width",
             f"{engine} searches at most {caps.max_beam_width} beams, got {params.beam_width}",
         )

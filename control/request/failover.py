@@ -33,7 +33,7 @@ from control.errors import (
     NoHealthyWorker,
     NotResumable,
     Overloaded,
-    SwitchyardError,
+    StatusError,
     WorkerFailed,
 )
 from control.request.resume import not_resumable_anywhere, refused_resume, said
@@ -86,7 +86,7 @@ def _public_field(field: str, params: GenerationParams) -> str:
     return f"{public}{sep}{rest}" if public is not None else field
 
 
-def client_error(failure: WorkerCallFailed, params: GenerationParams) -> SwitchyardError:
+def client_error(failure: WorkerCallFailed, params: GenerationParams) -> StatusError:
     """What the client hears of a worker failure that ends its request before any token."""
     if failure.kind is FailureKind.REJECTED and failure.code == grpc.StatusCode.NOT_FOUND:
         # The worker no longer holds the adapter (unloaded since this process looked).
@@ -113,7 +113,7 @@ def no_worker_left(
     interrupted_by: WorkerCallFailed | None,
     refused: WorkerCallFailed | None,
     others_could_serve: Sequence[object],
-) -> SwitchyardError:
+) -> StatusError:
     """What the client hears when no worker is left to try: before any token, what went
     wrong on the last one (every worker full, an engine failure) or just that none is
     healthy; after tokens, that the stream cannot go on, and why. `others_could_serve`:

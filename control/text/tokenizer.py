@@ -102,7 +102,7 @@ class Tokenizer:
                 conversation, chat_template=template, tokenize=False, add_generation_prompt=True
             )
         except Exception as e:  # jinja2's TemplateError, or the template's raise_exception
-            raise InvalidArgument.one(
+            raise InvalidArgument.for_field(
                 "messages", f"the chat template of {model!r} refused it: {e}"
             ) from e
         return text

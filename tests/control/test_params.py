@@ -112,7 +112,7 @@ def test_model_limits_bind() -> None:
 def test_rich_status_carries_bad_request() -> None:
     from google.rpc import error_details_pb2, status_pb2
 
-    err = InvalidArgument.one("sampling.top_p", "must be in (0, 1]")
+    err = InvalidArgument.for_field("sampling.top_p", "must be in (0, 1]")
     code, message, trailers = to_rpc_status(err)
     assert code.name == "INVALID_ARGUMENT" and "sampling.top_p" in message
     status = status_pb2.Status.FromString(trailers[0][1])

@@ -9,7 +9,7 @@ from switchyard.v1 import common_pb2
 from switchyard.worker.v1 import worker_pb2
 
 from pyworker.engine import EngineInfo
-from pyworker.errors import InvalidArgument, status_trailers_of
+from pyworker.errors import InvalidArgument
 from pyworker.request import parse_generate
 
 INFO = EngineInfo(
@@ -117,7 +117,7 @@ def test_invalid_argument_becomes_a_bad_request_status() -> None:
 
     with pytest.raises(InvalidArgument) as err:
         parse_generate(request(max_tokens=0), INFO)
-    ((key, raw),) = status_trailers_of(err.value)
+    ((key, raw),) = err.value.trailers()
     assert key == "grpc-status-details-bin"
     status = status_pb2.Status.FromString(raw)
     assert status.code == code_pb2.INVALID_ARGUMENT
