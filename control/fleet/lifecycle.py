@@ -26,7 +26,9 @@ from control.fleet.local_workers import (
 from control.fleet.models import ModelEntry, ModelRegistry
 from control.text.tokenizer import Tokenizer
 from control.workers import health
-from control.workers.client import HealthPolicy, WorkerClient, WorkerInfo
+from control.workers.client import WorkerClient
+from control.workers.health import HealthPolicy
+from control.workers.state import WorkerInfo
 from switchyard_common.tinymodel import ensure_tiny_model
 from switchyard_common.tls import channel_credentials
 
@@ -61,16 +63,16 @@ def health_policy(spec: ModelSpec) -> HealthPolicy:
         canary_interval_s=spec.canary_interval_s,
         canary_timeout_s=spec.canary_timeout_s,
         failure_threshold=spec.failure_threshold,
-        worker_stream=spec.worker_stream,
     )
 
 
 def worker_client(address: str, spec: ModelSpec) -> WorkerClient:
     tls = spec.worker_tls
+    stream = spec.worker_stream
     if tls is None:
-        return WorkerClient(address, health_policy(spec))
+        return WorkerClient(address, health_policy(spec), worker_stream=stream)
     creds = channel_credentials(tls.ca, tls.cert, tls.key, what="worker_tls")
-    return WorkerClient(address, health_policy(spec), creds, tls.server_name)
+    return WorkerClient(address, health_policy(spec), creds, tls.server_name, worker_stream=stream)
 
 
 async def resolve(hostport: str) -> list[str]:

@@ -18,7 +18,8 @@ from control.routing import IndexedPolicy, Policy, RouteRequest, default_policy,
 from control.routing.kv_index import KvIndex
 from control.text.params import ModelLimits
 from control.text.tokenizer import Tokenizer
-from control.workers.client import WorkerClient, WorkerInfo
+from control.workers.client import WorkerClient
+from control.workers.state import WorkerInfo
 
 log = structlog.get_logger(__name__)
 

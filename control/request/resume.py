@@ -25,7 +25,7 @@ from switchyard.worker.v1 import worker_pb2
 from control.errors import NotResumable
 from control.text.params import GenerationParams
 from control.workers.call import WorkerCallFailed
-from control.workers.client import WorkerClient
+from control.workers.state import WorkerState
 
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio: offsets spread over the seeds
 
@@ -36,7 +36,7 @@ def resume_seed(seed: int, tokens_so_far: int) -> int:
     return (seed + tokens_so_far * _GOLDEN) % 2**64
 
 
-def can_resume(worker: WorkerClient, params: GenerationParams) -> bool:
+def can_resume(worker: WorkerState, params: GenerationParams) -> bool:
     """Whether `worker` can continue this request's output as the request asked."""
     constraint = params.constraint
     if constraint is None:
@@ -47,7 +47,7 @@ def can_resume(worker: WorkerClient, params: GenerationParams) -> bool:
 
 def resume_request(
     wreq: worker_pb2.GenerateRequest,
-    worker: WorkerClient,
+    worker: WorkerState,
     prompt_ids: list[int],
     generated: list[int],
     params: GenerationParams,

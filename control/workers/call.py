@@ -6,7 +6,13 @@ owns the worker's in-flight counters and its circuit breaker, and every way a wo
 call can fail reaches the caller as one exception type, `WorkerCallFailed`, with a
 `FailureKind`. gRPC's errors (`AioRpcError`, `UsageError`, a cancelled call after an
 ejection) and `GenerateStream`'s error events are turned into it here and nowhere else,
-so failover can be written as a policy over kinds (`control.request.failover`).
+so failover can be written as a policy over kinds (`control.request.failover`). The
+answers of a worker's admin calls (LoadAdapter, UnloadAdapter) become the control plane's
+errors here too (`admin_error`).
+
+How a call's messages travel is a `Transport`: the worker's own `Generate` call per
+request (`UnaryTransport`) or its shared `GenerateStream` (control.workers.stream); tests
+give a worker a fake one.
 
 A client that goes away cancels the task that iterates; that `CancelledError` is never
 converted: it propagates, and leaving the `async with` aborts the worker request.
@@ -16,17 +22,26 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import AsyncIterator, Callable
+import itertools
+from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import grpc
 from switchyard.v1 import common_pb2
+from switchyard.worker.v1 import worker_pb2
 
+from control.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Overloaded,
+    StatusError,
+    WorkerFailed,
+)
+from control.workers.state import WorkerState
 from switchyard_common.rpc_status import FieldViolation, read_details
-
-if TYPE_CHECKING:
-    from control.workers.client import WorkerClient
 
 _ERROR = common_pb2.FINISH_REASON_ERROR
 
@@ -109,38 +124,64 @@ class EventSource(Protocol):
     def done(self) -> bool: ...
 
 
+class Transport(Protocol):
+    """How a worker's generations travel."""
+
+    def open(self, request: worker_pb2.GenerateRequest, timeout: float | None) -> EventSource:
+        """Start `request`; raises what its transport raises (converted by the call)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class UnaryTransport:
+    """A `Generate` call per request."""
+
+    def __init__(self, stub: Any) -> None:
+        self._stub = stub
+        self._attempts = itertools.count(1)
+
+    def open(self, request: worker_pb2.GenerateRequest, timeout: float | None) -> EventSource:
+        # Generate keys requests by request_id on the worker: make each attempt's unique.
+        request.request_id = f"{request.request_id}~{next(self._attempts)}"
+        call: EventSource = self._stub.Generate(request, timeout=timeout)
+        return call
+
+    async def close(self) -> None:
+        pass  # its calls end with the channel
+
+
 class WorkerCall:
     """One generation on one worker. Use as `async with worker.generate(...) as events`."""
 
     def __init__(
         self,
-        worker: WorkerClient,
-        start: Callable[[], EventSource],
+        worker: WorkerState,
+        transport: Transport,
+        request: worker_pb2.GenerateRequest,
+        timeout: float | None,
         cost_tokens: int,
-        adapter: str = "",
         prompt_tokens: int = 0,
     ) -> None:
         self._worker = worker
-        self._start = start
+        self._transport = transport
+        self._request = request
+        self._timeout = timeout
         self._cost = cost_tokens
         self._prefill = prompt_tokens  # counted on the worker until the first message
-        self.adapter = adapter  # the LoRA adapter it uses ("" for none)
+        self.adapter = request.adapter  # the LoRA adapter it uses ("" for none)
         self._source: EventSource | None = None
         self._ejected = False
         self._finished = False
 
     @property
-    def worker(self) -> WorkerClient:
+    def worker(self) -> WorkerState:
         return self._worker
 
     async def __aenter__(self) -> AsyncIterator[Any]:
-        w = self._worker
-        w.in_flight += 1
-        w.in_flight_tokens += self._cost
-        w.prefill_tokens += self._prefill
-        w.calls.add(self)
+        self._worker.begin_call(self, self._cost, self._prefill)
         try:
-            self._source = self._start()
+            self._source = self._transport.open(self._request, self._timeout)
         except BaseException as exc:
             self._release()
             raise self._convert(exc) from exc
@@ -169,16 +210,12 @@ class WorkerCall:
             self._source.cancel()
 
     def _release(self) -> None:
-        w = self._worker
-        if self in w.calls:
-            w.calls.discard(self)
-            w.in_flight -= 1
-            w.in_flight_tokens -= self._cost
-            self._prefilled()
+        self._worker.end_call(self, self._cost, self._prefill)
+        self._prefill = 0
 
     def _prefilled(self) -> None:
         if self._prefill:
-            self._worker.prefill_tokens -= self._prefill
+            self._worker.prefilled(self._prefill)
             self._prefill = 0
 
     async def _events(self) -> AsyncIterator[Any]:
@@ -242,3 +279,22 @@ class WorkerCall:
         if failure.kind is FailureKind.LOST:
             self._worker.breaker.record_failure()
         return failure
+
+
+def admin_error(address: str, e: grpc.aio.AioRpcError) -> StatusError:
+    """A worker's answer to an adapter call, as the control plane's error: the caller
+    hears the worker's code, its field violations and its words, with its address."""
+    code = e.code()
+    message = f"worker {address}: {e.details() or code.name}"
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        said = read_details(e.trailing_metadata()).violations
+        return InvalidArgument(list(said) or [FieldViolation("path", message)])
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFound(message)
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return AlreadyExists(message)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(message, retry_after_s=0.0)
+    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+        return FailedPrecondition(f"{message} (this worker has no LoRA)", field="adapter")
+    return WorkerFailed(address, e.details() or code.name)

@@ -2,7 +2,8 @@
 reports of `StreamLoad`, and a canary (a one-token generation every interval) that ejects
 a worker whose process lives but whose engine hangs, moving its streams elsewhere.
 
-Each runs as a task of its `WorkerClient` (`start_watching`) until the client closes.
+Each runs as a task of its `WorkerClient` (`start_watching`) until the client closes,
+and writes what it learns into the worker's state (control.workers.state).
 """
 
 from __future__ import annotations
@@ -13,36 +14,29 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2
 from switchyard.worker.v1 import worker_pb2
 
-if TYPE_CHECKING:
-    from control.workers.client import WorkerClient
-
+from control.workers.state import Load, WorkerState
 
 log = structlog.get_logger(__name__)
 
 
-@dataclass(slots=True)
-class Load:
-    running: int = 0
-    waiting: int = 0
-    kv_cache_usage: float = 0.0
-    updated: float = 0.0
-    kv_blocks_used: int = 0
-    kv_blocks_free: int = 0
-    gpu_memory_used_bytes: int = 0
-    generation_tokens_per_s: float = 0.0  # the engine's, over the worker's last seconds
+@dataclass(frozen=True, slots=True)
+class HealthPolicy:
+    canary_interval_s: float = 5.0
+    canary_timeout_s: float = 2.0
+    failure_threshold: int = 3
 
 
 Outcome = Literal["ok", "queued", "failed"]
 
 
-def progressing(worker: WorkerClient, since: float) -> bool:
+def progressing(worker: WorkerState, since: float) -> bool:
     """The worker reported, after `since`, that its engine is generating: a canary that
     timed out behind a full queue then says the worker is busy, not hung. A hung engine
     reports no tokens once the worker's rate window (2 s) has passed; a stopped process
@@ -51,18 +45,17 @@ def progressing(worker: WorkerClient, since: float) -> bool:
     return load.updated > since and load.generation_tokens_per_s > 0
 
 
-async def canary(worker: WorkerClient) -> None:
+async def canary(worker: WorkerState, stub: Any, policy: HealthPolicy) -> None:
     """A one-token generation every interval: a worker whose process lives but whose
     engine hangs stops answering it, and its circuit opens. A canary that waits its
     timeout out (or is refused as over capacity) behind other requests while the engine
     generates counts neither way: a saturated worker is not ejected."""
-    policy = worker.health_policy
     while True:
         await asyncio.sleep(policy.canary_interval_s)
         if not worker.serving or worker.info is None:
             continue
         started = time.monotonic()
-        outcome = await probe(worker, policy.canary_timeout_s)
+        outcome = await probe(worker, stub, policy.canary_timeout_s)
         if outcome == "queued" and progressing(worker, started):
             log.debug(
                 "canary queued behind load",
@@ -79,16 +72,13 @@ async def canary(worker: WorkerClient) -> None:
             # However the circuit opened (canaries, or requests that failed), streams on
             # a worker that does not answer its canary would hang with it: move them.
             if not worker.breaker.allows_traffic() and worker.calls:
+                moved = worker.eject_calls()
                 log.warning(
-                    "worker ejected: canary failing",
-                    worker=worker.address,
-                    streams_moved=len(worker.calls),
+                    "worker ejected: canary failing", worker=worker.address, streams_moved=moved
                 )
-                for call in list(worker.calls):
-                    call.eject()
 
 
-async def probe(worker: WorkerClient, timeout: float) -> Outcome:
+async def probe(worker: WorkerState, stub: Any, timeout: float) -> Outcome:
     """One canary: "ok" when it finished, "queued" when it ran out of time or the
     worker refused it as over capacity, "failed" otherwise."""
     assert worker.info is not None
@@ -101,7 +91,7 @@ async def probe(worker: WorkerClient, timeout: float) -> Outcome:
     )
     started = time.monotonic()
     try:
-        async for resp in worker.stub.Generate(req, timeout=timeout):
+        async for resp in stub.Generate(req, timeout=timeout):
             if resp.HasField("final"):
                 worker.last_canary_ms = (time.monotonic() - started) * 1000
                 return "ok"
@@ -111,24 +101,21 @@ async def probe(worker: WorkerClient, timeout: float) -> Outcome:
     return "failed"
 
 
-async def watch_health(worker: WorkerClient) -> None:
+async def watch_health(worker: WorkerState, health_stub: Any) -> None:
     backoff = 0.2
     while True:
         try:
-            call = worker.health_stub.Watch(health_pb2.HealthCheckRequest(service=""))
+            call = health_stub.Watch(health_pb2.HealthCheckRequest(service=""))
             async for resp in call:
                 serving = resp.status == health_pb2.HealthCheckResponse.SERVING
                 if serving != worker.serving:
                     log.info("worker health", worker=worker.address, serving=serving)
-                if not serving:
-                    worker.adapters.clear()  # a worker that comes back holds none
-                worker.serving = serving
+                worker.set_serving(serving)
                 backoff = 0.2
         except grpc.aio.AioRpcError as e:
             if worker.serving:
                 log.warning("worker unreachable", worker=worker.address, code=e.code().name)
-            worker.serving = False
-            worker.adapters.clear()
+            worker.set_serving(False)
         await asyncio.sleep(backoff)
         backoff = min(backoff * 2, 5.0)
 
@@ -136,7 +123,7 @@ async def watch_health(worker: WorkerClient) -> None:
 KV_RESUBSCRIBE_S = 1.0
 
 
-async def watch_kv_events(worker: WorkerClient) -> None:
+async def watch_kv_events(worker: WorkerState, stub: Any) -> None:
     """Feed the worker's KV-cache events to its model's index (`worker.kv_sink`), where
     its GetInfo says it has them. A reset, a broken stream or the end of following clear
     what the index holds for the worker: it never keeps blocks it may have missed the
@@ -152,7 +139,7 @@ async def watch_kv_events(worker: WorkerClient) -> None:
             continue
         address = worker.address
         try:
-            call = worker.stub.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest())
+            call = stub.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest())
             first: int | None = None  # the sequence the snapshot's batches carry
             async for batch in call:
                 first = batch.sequence if first is None else first
@@ -185,7 +172,7 @@ async def watch_kv_events(worker: WorkerClient) -> None:
         await asyncio.sleep(KV_RESUBSCRIBE_S)
 
 
-async def wait_kv_synced(workers: Sequence[WorkerClient], timeout_s: float) -> list[str]:
+async def wait_kv_synced(workers: Sequence[WorkerState], timeout_s: float) -> list[str]:
     """Waits, at most `timeout_s`, until the KV-cache events of every worker that reports
     them have reached its sink: its subscription's snapshot, what the engine holds, to the
     batch that ends it (a cache over 1,024 blocks takes several). So a model that has just
@@ -199,13 +186,12 @@ async def wait_kv_synced(workers: Sequence[WorkerClient], timeout_s: float) -> l
     return [w.address for w in waiting if not w.kv_synced.is_set()]
 
 
-async def watch_load(worker: WorkerClient) -> None:
+async def watch_load(worker: WorkerState, stub: Any) -> None:
     while True:
         try:
-            call = worker.stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=250))
+            call = stub.StreamLoad(worker_pb2.StreamLoadRequest(interval_ms=250))
             async for r in call:
-                worker.in_flight_at_report = worker.in_flight
-                worker.load = Load(
+                load = Load(
                     r.running,
                     r.waiting,
                     r.kv_cache_usage,
@@ -215,6 +201,7 @@ async def watch_load(worker: WorkerClient) -> None:
                     gpu_memory_used_bytes=r.gpu_memory_used_bytes,
                     generation_tokens_per_s=r.generation_tokens_per_s,
                 )
+                worker.report_load(load)
         except grpc.aio.AioRpcError:
             pass
         await asyncio.sleep(1.0)

@@ -16,7 +16,9 @@ from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_
 
 from control.fleet.local_workers import free_port
 from control.workers import health
-from control.workers.client import HealthPolicy, WorkerClient, WorkerInfo
+from control.workers.client import WorkerClient
+from control.workers.health import HealthPolicy
+from control.workers.state import Load, WorkerInfo
 from tests.procs import serving_control
 
 
@@ -39,7 +41,7 @@ def serving_client() -> tuple[WorkerClient, asyncio.Event]:
 @contextlib.asynccontextmanager
 async def canaries(client: WorkerClient) -> AsyncIterator[None]:
     """The client's canary loop, running until the block ends."""
-    canary = asyncio.create_task(health.canary(client))
+    canary = asyncio.create_task(health.canary(client, client.stub, client.health_policy))
     try:
         yield
     finally:
@@ -56,7 +58,7 @@ async def test_a_failing_canary_ejects_calls_when_requests_opened_the_circuit(
         client.breaker.record_failure()
     assert not client.breaker.allows_traffic()
 
-    async def no_answer(worker: Any, timeout: float) -> str:
+    async def no_answer(worker: Any, stub: Any, timeout: float) -> str:
         return "failed"
 
     monkeypatch.setattr(health, "probe", no_answer)
@@ -76,9 +78,9 @@ async def test_a_timed_out_canary_counts_unless_the_engine_is_generating(
     tells a hung engine from a busy one."""
     client, ejected = serving_client()
 
-    async def times_out(worker: Any, timeout: float) -> str:
+    async def times_out(worker: Any, stub: Any, timeout: float) -> str:
         await asyncio.sleep(0.02)  # a load report arrives meanwhile
-        worker.load = health.Load(running=2, waiting=6, updated=time.monotonic(),
+        worker.load = Load(running=2, waiting=6, updated=time.monotonic(),
                                   generation_tokens_per_s=tokens_per_s)  # fmt: skip
         return "queued"
 

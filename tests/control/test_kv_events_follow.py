@@ -109,7 +109,7 @@ async def watched(
         assert client.info is not None and client.info.kv_events
         if sink:
             client.kv_sink = index
-        watcher = asyncio.create_task(health.watch_kv_events(client))
+        watcher = asyncio.create_task(health.watch_kv_events(client, client.stub))
         yield client, index
     finally:
         if watcher is not None:

@@ -15,7 +15,7 @@ from control.errors import FailedPrecondition, InvalidArgument
 from control.request.prepare import PreparedRequest, prepare
 from control.text.params import ModelLimits, parse_request
 from control.text.tokenizer import Tokenizer
-from control.workers.client import Capabilities
+from control.workers.state import Capabilities
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from control.request.attempts import build_worker_request
 from control.request.prepare import PreparedRequest
 from control.request.resume import can_resume, resume_request, resume_seed
 from control.text.params import parse_request
-from control.workers.client import Capabilities
+from control.workers.state import Capabilities
 
 
 def params(**fields: Any) -> Any:

@@ -18,7 +18,7 @@ from control.routing.cache_aware import CacheAware
 from control.routing.dynamo_cost import DynamoCost
 from control.routing.kv_aware import KvAware
 from control.routing.kv_index import prompt_keys
-from control.workers.client import WorkerInfo
+from control.workers.state import WorkerInfo
 from tests.control.test_circuit_and_routing import W
 
 SYSTEM = list(range(100, 164))  # 4 blocks of 16

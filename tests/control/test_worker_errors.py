@@ -225,11 +225,12 @@ async def test_a_channel_closed_under_a_call_is_a_lost_worker_not_a_client_cance
     scripted: tuple[ScriptedWorker, str],
 ) -> None:
     from control.workers.call import FailureKind, WorkerCallFailed
-    from control.workers.client import HealthPolicy, WorkerClient
+    from control.workers.client import WorkerClient
+    from control.workers.health import HealthPolicy
 
     worker, address = scripted
     worker.mode = "hang"
-    client = WorkerClient(address, HealthPolicy(canary_interval_s=3600, worker_stream=False))
+    client = WorkerClient(address, HealthPolicy(canary_interval_s=3600), worker_stream=False)
     await client.wait_ready(10)
     req = worker_pb2.GenerateRequest(request_id="r", prompt_token_ids=[5], max_tokens=4)
     closing: asyncio.Task[None] | None = None
