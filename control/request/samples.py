@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator
 from opentelemetry.context import Context
 from switchyard.v1 import common_pb2, generation_pb2
 
-from control.request.generation import Progress, TokenBudget, run_generation
+from control.request.run import Progress, TokenBudget, run_generation
 from control.request.prepare import PreparedRequest
 
 _Item = tuple[int, generation_pb2.GenerateResponse | BaseException | None]
