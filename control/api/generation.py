@@ -25,8 +25,8 @@ from control.api.status import abort_rpc, status_code
 from control.errors import Internal, InvalidArgument, StatusError
 from control.fleet.models import ModelEntry, ModelRegistry
 from control.metrics import request_ended
-from control.request.run import Progress
 from control.request.prepare import prepare
+from control.request.run import Progress
 from control.request.samples import Collected, run_samples
 from control.text.params import MAX_SAMPLES, check_prompt_text, parse_request
 from control.tracing import Span, SpanKind, extract, trace_id_of, tracer, with_span

@@ -18,8 +18,8 @@ from collections.abc import AsyncGenerator
 from opentelemetry.context import Context
 from switchyard.v1 import common_pb2, generation_pb2
 
-from control.request.run import Progress, TokenBudget, run_generation
 from control.request.prepare import PreparedRequest
+from control.request.run import Progress, TokenBudget, run_generation
 
 _Item = tuple[int, generation_pb2.GenerateResponse | BaseException | None]
 # Messages of all samples waiting for the caller: a slow reader holds the samples back

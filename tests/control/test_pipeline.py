@@ -16,8 +16,8 @@ from switchyard.v1 import common_pb2, generation_pb2
 from control.config import ModelSpec
 from control.errors import InvalidArgument, Overloaded, WorkerFailed
 from control.fleet.models import ModelEntry
-from control.request.run import Progress
 from control.request.prepare import prepare
+from control.request.run import Progress
 from control.request.samples import run_samples
 from control.text.params import parse_request
 from control.text.tokenizer import Tokenizer
