@@ -98,7 +98,7 @@ def make_stat_logger_factory(stats: LoadStats) -> Any:
     vLLM adds its own Prometheus logger unless a custom one is a `PrometheusStatLogger`;
     nothing scrapes that registry in the worker, and on a fast engine it cost about a
     seventh of the worker's CPU (histograms observed per request per step, see
-    docs/profiles.md). So this one is a `PrometheusStatLogger` that registers no metrics:
+    docs/results/profiles.md). So this one is a `PrometheusStatLogger` that registers no metrics:
     every method it does not define is a no-op.
     """
     from vllm.v1.metrics.loggers import PrometheusStatLogger

@@ -2,7 +2,7 @@
 
 `AsyncLLM.generate()` gives every request its own task, which the output handler wakes
 once per engine step; at a thousand streams that is a thousand task switches a step,
-and it is what kept the worker below the engine (docs/profiles.md). A `StreamedRequest`
+and it is what kept the worker below the engine (docs/results/profiles.md). A `StreamedRequest`
 adds its request with `AsyncLLM.add_request()` and takes the request's output collector
 over: the handler's `put` of each output becomes a plain call that appends the new
 tokens to the session's pending message. One engine step then costs one call per

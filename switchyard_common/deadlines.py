@@ -5,7 +5,7 @@ deadline fires, even on a busy machine.
 A tenth of the budget, at least 20 ms and at most 100 ms, and never more than a quarter
 of it: 50 ms keeps 37.5 ms to work, 0.5 s keeps 0.45 s, 5 s keeps 4.9 s. A 20-minute soak
 with a fixed 20 ms margin saw about 1% of its streams get their final and then the
-client's own DEADLINE_EXCEEDED instead of OK (docs/soak.md).
+client's own DEADLINE_EXCEEDED instead of OK (docs/results/soak.md).
 """
 
 from __future__ import annotations

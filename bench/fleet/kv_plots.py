@@ -1,4 +1,4 @@
-"""Plots of the routing comparison (docs/kv-routing.md) from the benchmarks' JSON:
+"""Plots of the routing comparison (docs/results/kv-routing.md) from the benchmarks' JSON:
 
     python -m bench.fleet.kv_plots --sim results/kv-routing/sim-seed*.json.xz \\
         --rates results/kv-routing/sim-rate*.json.xz results/kv-routing/sim-seed0.json.xz \\

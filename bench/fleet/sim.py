@@ -359,7 +359,7 @@ def report(
     n_workers = results[0].workers
     return reflow(f"""# Fleet simulation: routing policies on {n_workers} simulated workers
 
-`bench/fleet_sim.py` compares the control plane's routing policies without processes or
+`bench/fleet/sim.py` compares the control plane's routing policies without processes or
 gRPC. Every request is routed by the real policy classes from `control/routing/`; every
 worker is a `switchyard_runtime.SimExecutor` on a virtual clock. **The SimExecutor is the
 C++ simulator, not an inference engine**: it generates no real text and its timings come

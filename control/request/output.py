@@ -25,7 +25,7 @@ PROMPT_CONTEXT_TOKENS = 5
 
 # The generated-token counter is given its tokens this many at a time, and the rest when
 # asked (`count`): once per chunk it was 5.5% of a busy control plane's time on the H200
-# (docs/profiles.md), for a series read at scrape time.
+# (docs/results/profiles.md), for a series read at scrape time.
 COUNT_EVERY_TOKENS = 64
 
 _STOP = common_pb2.FINISH_REASON_STOP

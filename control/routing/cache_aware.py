@@ -1,6 +1,6 @@
 """A reimplementation of the cache-aware policy of SGLang's router and SMG (the gateway
 that grew from it), with its published thresholds, as a baseline for `kv_aware`
-(bench/fleet_sim.py, bench/kv_routing.py). Not SMG's code: its documented algorithm over
+(bench/fleet/sim.py, bench/fleet/kv_routing.py). Not SMG's code: its documented algorithm over
 this control plane's index.
 
 Per request, with each worker's load its in-flight requests from this process:

@@ -1,5 +1,5 @@
 """A reimplementation of the cost formula NVIDIA Dynamo's KV router publishes, as a
-baseline for `kv_aware` (bench/fleet_sim.py, bench/kv_routing.py). Not Dynamo's code:
+baseline for `kv_aware` (bench/fleet/sim.py, bench/fleet/kv_routing.py). Not Dynamo's code:
 its documented formula over what this control plane knows.
 
 Dynamo's router documents, per worker w (in KV blocks):
@@ -11,7 +11,7 @@ Dynamo's router documents, per worker w (in KV blocks):
   latter per request until the first token; here it is w's waiting requests times the
   mean prompt length in blocks routed so far. (`Candidate.prefill_tokens`, which
   kv_aware reads, would be closer to Dynamo's count; the baseline's figures in
-  docs/kv-routing.md were measured with this estimate.)
+  docs/results/kv-routing.md were measured with this estimate.)
 - decode_blocks: the blocks of w's active requests plus the new request's. Here: this
   process's in-flight tokens on w over the block size, plus the prompt's blocks.
 

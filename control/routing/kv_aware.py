@@ -42,7 +42,7 @@ from control.routing.base import TOKENS_PER_REQUEST_WEIGHT, Candidate, RouteRequ
 from control.routing.kv_index import KvIndex, prompt_keys
 
 # A running request weighs about 10 tokens of prefill (1024 x 0.01), a queued prompt token
-# one: on the fleet simulation (bench/fleet_sim.py, 64 workers, tenants' conversations)
+# one: on the fleet simulation (bench/fleet/sim.py, 64 workers, tenants' conversations)
 # these gave the lowest TTFT p99; a request as 1024 tokens (1.0) kept too little of the
 # cache, 0.003 too little of the balance (docs/kv-routing.md has the sweeps).
 LOAD_WEIGHT = 0.01
