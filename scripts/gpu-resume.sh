@@ -21,13 +21,13 @@ case "${1:-}" in
     python3 -c 'import vllm, xgrammar, torch; import importlib.metadata as m; print("vllm", vllm.__version__, "xgrammar", m.version("xgrammar"), "torch", torch.__version__)' | tee -a "$out/gpu.txt"
     rc=0
     if [ "${SKIP_WORKER_API:-0}" != 1 ]; then
-      timeout 240 python3 -m pytest -p no:cacheprovider -q -rA tests/pyworker/test_resume.py \
+      timeout 240 python3 -m pytest -p no:cacheprovider -q -rA tests/integration/pyworker/test_resume.py \
         > "$out/worker-api.log" 2>&1 || rc=$?
       tail -n 25 "$out/worker-api.log"
     fi
     SWITCHYARD_TEST_VLLM_ARGS='{"gpu_memory_utilization": 0.25, "enforce_eager": true}' \
       timeout "${FAILOVER_LIMIT_S:-300}" python3 -m pytest -p no:cacheprovider -q -rA -s \
-      tests/control/test_constrained_failover.py -k "${FAILOVER_TESTS:-every_constraint}" \
+      tests/integration/control/test_constrained_failover.py -k "${FAILOVER_TESTS:-every_constraint}" \
       > "$out/failover.log" 2>&1 || rc=$?
     grep -E "resumed mid-output|passed|failed|Error" "$out/failover.log" | tail -n 25
     exit "$rc" ;;

@@ -20,7 +20,7 @@ test_apt_packages=(prometheus)
 if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
   test_apt_packages+=(nodejs npm)
 fi
-# kubectl (its kustomize renders deploy/k8s in tests/test_deploy.py); Debian's, unless
+# kubectl (its kustomize renders deploy/k8s in tests/integration/test_deploy.py); Debian's, unless
 # one is there already.
 if ! command -v kubectl >/dev/null; then
   test_apt_packages+=(kubernetes-client)
@@ -56,10 +56,10 @@ fi
 
 # The Node client test's packages (@grpc/grpc-js, @grpc/proto-loader), as locked.
 if [ "${1:-}" = "--for-tests" ]; then
-  node_dir="$root/tests/clients/node"
+  node_dir="$root/tests/integration/clients/node"
   if [ ! -d "$node_dir/node_modules" ] \
     || [ "$node_dir/package-lock.json" -nt "$node_dir/node_modules/.package-lock.json" ]; then
-    say "installing the Node client test's npm packages (tests/clients/node)"
+    say "installing the Node client test's npm packages (tests/integration/clients/node)"
     (cd "$node_dir" && npm ci --no-audit --no-fund --loglevel=error >&2)
   fi
 fi
