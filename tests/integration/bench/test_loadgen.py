@@ -27,19 +27,6 @@ async def test_closed_and_open_loop_record_every_request(tmp_path: Path) -> None
         worker.stop()
 
 
-async def test_sse_lines_split_on_newline_only() -> None:
-    from bench.load.loadgen import _sse_data
-
-    class Resp:
-        async def aiter_bytes(self):  # type: ignore[no-untyped-def]
-            payload = 'data: {"text": "a\u2028b\x1cc"}\n\ndata: {"n"'.encode()
-            yield payload
-            yield b": 1}\r\n\ndata: [DONE]\n\n"
-
-    got = [x async for x in _sse_data(Resp())]
-    assert got == ['{"text": "a\u2028b\x1cc"}', '{"n": 1}']
-
-
 def test_command_line_runs_closed_and_open_loop_and_writes_json(tmp_path: Path) -> None:
     import json
     import subprocess

@@ -9,16 +9,8 @@ import sys
 from pathlib import Path
 
 from bench.load.loadgen import Workload
-from bench.load.procload import processes_for, spread_load
+from bench.load.procload import spread_load
 from tests.integration.conformance.conftest import start_cpp_worker
-
-
-def test_processes_for_follows_the_rate_within_the_cores_and_the_streams() -> None:
-    assert processes_for(0, 100, cpus=16) == 1
-    assert processes_for(30_000, 1000, cpus=16) == 5
-    assert processes_for(1e6, 1000, cpus=16) == 8  # one client per two cores at most
-    assert processes_for(1e6, 3, cpus=64) == 3  # never more processes than streams
-    assert processes_for(30_000, 1000, cpus=2) == 1
 
 
 def test_spread_load_counts_every_token_of_every_process(tmp_path: Path) -> None:

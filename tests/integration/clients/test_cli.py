@@ -50,15 +50,6 @@ def cli(plane: Proc, *args: str, token: str | None = TOKEN) -> subprocess.Comple
     )
 
 
-def test_default_address_is_where_serve_listens() -> None:
-    # The CLI lives in the client package, which imports nothing of the server's: its
-    # default --address is a copy of the server's default listen address.
-    from control.config import DEFAULT_LISTEN
-    from switchyard.client.cli import DEFAULT_ADDRESS
-
-    assert DEFAULT_ADDRESS == DEFAULT_LISTEN
-
-
 def test_generate_complete_tokenize_models(plane: Proc) -> None:
     out = cli(plane, "generate", "--model", "sim", "--max-tokens", "5", "--ignore-eos", "Hi")
     assert out.returncode == 0, out.stderr

@@ -3,9 +3,6 @@ prints, also where one size did not start (as TP=2 does on a machine of one GPU)
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from bench.gpu.tp import failure, gpu_memory, summary
 
 
@@ -67,17 +64,3 @@ def test_the_summary_sets_tp2_against_tp1_and_names_a_size_that_did_not_start() 
     ) in text
     assert "TP=2 / TP=1" not in text
     assert failure("Traceback\nKeyError: 'x'") == "KeyError: 'x'"
-
-
-def test_the_summary_reads_a_result_file(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    path = tmp_path / "tp.json"
-    path.write_text(json.dumps({"systems": [{"label": "tp2", "error": "boom"}]}))
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.gpu.tp", "--summary", str(path)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert "- tp2: did not serve: boom" in out.stdout
