@@ -1,6 +1,6 @@
 """Fixtures for the vLLM worker tests.
 
-The worker process itself is the session-wide `worker` fixture of tests/conftest.py
+The worker process itself is the session-wide `worker` fixture of tests/integration/conftest.py
 (`python -m pyworker` on the tiny model, SERVING before the first test, SIGTERM and
 exit code 0 checked at the end), so the whole suite shares one engine.
 """

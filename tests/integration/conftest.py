@@ -1,0 +1,58 @@
+"""Real processes started once per session, for the tests that start processes.
+
+A vLLM engine costs about 30 s to start on this machine, so one worker process serves
+the whole session; the control plane joins it as a remote worker by address.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from control.fleet.local_workers import free_port
+from switchyard_common.tinymodel import ensure_tiny_model
+from tests.procs import Proc, start_process, wait_serving
+
+
+@pytest.fixture(scope="session")
+def worker(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """One real vLLM worker (pyworker) on the tiny model, for the whole session."""
+    port = free_port()
+    proc = start_process(
+        ["-m", "pyworker", "--model", str(tiny_model_dir), "--port", str(port)],
+        port,
+        tmp_path_factory.mktemp("worker"),
+        "pyworker",
+    )
+    try:
+        wait_serving(proc)
+        yield proc
+    finally:
+        code = proc.stop()
+        assert code == 0, f"worker exited with {code} on SIGTERM:\n{proc.log_tail()}"
+
+
+@pytest.fixture(scope="session")
+def control(worker: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """The control plane in front of the session's worker, serving it as model 'tiny'."""
+    tmp = tmp_path_factory.mktemp("control")
+    port = free_port()
+    model_dir = ensure_tiny_model()
+    config = tmp / "switchyard.yaml"
+    config.write_text(
+        f"listen: 127.0.0.1:{port}\n"
+        "models:\n"
+        "  - name: tiny\n"
+        "    engine: vllm\n"
+        f"    model: {model_dir}\n"
+        f"    workers: [{worker.address}]\n"
+    )
+    proc = start_process(["-m", "control", "serve", "--config", str(config)], port, tmp, "control")
+    try:
+        wait_serving(proc, "tiny")
+        yield proc
+    finally:
+        code = proc.stop()
+        assert code == 0, f"control plane exited with {code} on SIGTERM:\n{proc.log_tail()}"
