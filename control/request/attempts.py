@@ -150,8 +150,12 @@ class Attempts:
             return worker
         except NoHealthyWorker as e:
             span.set_attribute("switchyard.outcome", "no_healthy_worker")
-            others = [w for w in self.entry.workers if w.healthy and w not in tried]
-            raise no_worker_left(
+            others = (
+                [w for w in self.entry.workers if w.healthy and w not in tried]
+                if constrained
+                else []
+            )
+            error = no_worker_left(
                 e,
                 self.params,
                 self.entry.name,
@@ -159,8 +163,11 @@ class Attempts:
                 last,
                 self.interrupted_by,
                 self.refused,
-                others if constrained else [],
-            ) from e
+                others,
+            )
+            if error is e:
+                raise
+            raise error from e
         finally:
             span.end()
 

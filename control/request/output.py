@@ -5,7 +5,7 @@ the public chunks back: the text detokenized incrementally, stop strings matched
 output cut where one completes, the logprobs with each alternative's text, the prompt's
 logprobs once. It fills the request's `Final` as it goes (the stop string, the stop or
 EOS token, usage) and counts the generated tokens. It knows nothing of workers or
-transport: it is tested with plain token ids (tests/control/test_output.py).
+transport: it is tested with plain token ids (tests/unit/control/request/test_output.py).
 """
 
 from __future__ import annotations
