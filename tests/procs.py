@@ -1,21 +1,23 @@
-"""Real processes for tests: start one, wait until its health says SERVING, stop it.
-The same primitives the benchmark uses (bench/systems.py)."""
+"""Real processes for tests: start one, wait until its health says SERVING, stop it (the same
+primitives the benchmark uses, bench/systems.py); and `serving_control`, the control plane
+with simulator workers (or any others) that the integration tests share."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
 
 from bench.systems import Proc, start, wait_grpc_serving
+from control.fleet.local_workers import free_port
 
 STARTUP_TIMEOUT_S = 300.0
 
-__all__ = ["Proc", "serving_control", "start_process", "wait_serving", "worker_pid"]
+__all__ = ["SIM_MODEL", "Proc", "serving_control", "start_process", "wait_serving", "worker_pid"]
 
 
 def wait_serving(
@@ -34,21 +36,42 @@ def start_process(
     return start(name, [executable, *args], log_dir, f"127.0.0.1:{port}", log_level="info")
 
 
+# One simulated model, "sim": a C++ worker on its simulator, which the control plane starts
+# and stops itself.
+SIM_MODEL = "  - {name: sim, engine: sim, model: builtin:tiny}\n"
+
+
 @contextlib.contextmanager
 def serving_control(
-    log_dir: Path, port: int, models_yaml: str, *models: str, timeout: float = STARTUP_TIMEOUT_S
+    log_dir: Path,
+    models_yaml: str = SIM_MODEL,
+    *models: str,
+    settings: str = "",
+    extra_args: Sequence[str] = (),
+    port: int | None = None,
+    name: str = "ctl",
+    timeout: float = STARTUP_TIMEOUT_S,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> Iterator[Proc]:
-    """`switchyard serve` on 127.0.0.1:port with `models:` from `models_yaml` (the list's
-    lines), up once every one of `models` serves; stopped cleanly (exit 0) after."""
-    config = log_dir / "switchyard.yaml"
-    config.write_text(f"listen: 127.0.0.1:{port}\nmodels:\n{models_yaml}")
-    proc = start_process(["-m", "control", "serve", "--config", str(config)], port, log_dir, "ctl")
+    """The control plane with simulator workers (or any others): `switchyard serve` on
+    127.0.0.1:port (a free port unless given), its config `listen:`, then `settings` (top-level
+    YAML lines: api, auth, tls, metrics ...), then `models:` with `models_yaml` (the list's
+    lines; by default one simulated model, "sim"); `extra_args` follow `--config`. Up once
+    every one of `models` serves (none named: once the server's health says SERVING), over
+    `credentials` where it serves TLS; log and config in log_dir/name.*; stopped cleanly
+    (exit 0 on SIGTERM) after."""
+    port = free_port() if port is None else port
+    config = log_dir / f"{name}.yaml"
+    config.write_text(f"listen: 127.0.0.1:{port}\n{settings}models:\n{models_yaml}")
+    argv = ["-m", "control", "serve", "--config", str(config), *extra_args]
+    proc = start_process(argv, port, log_dir, name)
     try:
-        for model in models:
-            wait_serving(proc, model, timeout=timeout)
+        for model in models or ("",):
+            wait_serving(proc, model, timeout=timeout, credentials=credentials)
         yield proc
     finally:
-        assert proc.stop() == 0, proc.log_tail()
+        code = proc.stop()
+        assert code == 0, f"control plane exited with {code} on SIGTERM:\n{proc.log_tail()}"
 
 
 def serve_startup_failure(config: Path, timeout: float = 280.0) -> str:

@@ -13,7 +13,7 @@ import pytest
 
 from control.fleet.local_workers import free_port
 from switchyard_common.tinymodel import ensure_tiny_model
-from tests.procs import Proc, start_process, wait_serving
+from tests.procs import Proc, serving_control, start_process, wait_serving
 
 
 @pytest.fixture(scope="session")
@@ -37,22 +37,11 @@ def worker(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 @pytest.fixture(scope="session")
 def control(worker: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     """The control plane in front of the session's worker, serving it as model 'tiny'."""
-    tmp = tmp_path_factory.mktemp("control")
-    port = free_port()
-    model_dir = ensure_tiny_model()
-    config = tmp / "switchyard.yaml"
-    config.write_text(
-        f"listen: 127.0.0.1:{port}\n"
-        "models:\n"
+    models = (
         "  - name: tiny\n"
         "    engine: vllm\n"
-        f"    model: {model_dir}\n"
+        f"    model: {ensure_tiny_model()}\n"
         f"    workers: [{worker.address}]\n"
     )
-    proc = start_process(["-m", "control", "serve", "--config", str(config)], port, tmp, "control")
-    try:
-        wait_serving(proc, "tiny")
-        yield proc
-    finally:
-        code = proc.stop()
-        assert code == 0, f"control plane exited with {code} on SIGTERM:\n{proc.log_tail()}"
+    with serving_control(tmp_path_factory.mktemp("control"), models, "tiny", name="control") as p:
+        yield p

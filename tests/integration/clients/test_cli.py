@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from control.fleet.local_workers import free_port
-from tests.procs import Proc, start_process, wait_serving
+from tests.procs import Proc, serving_control
 
 TOKEN = "cli-test-secret-0123456789abc"
 
@@ -22,18 +21,10 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     tmp = tmp_path_factory.mktemp("cli")
     tokens = tmp / "tokens.yaml"
     tokens.write_text(f"tokens: [{{name: cli, token: {TOKEN}, scopes: [generate, admin]}}]\n")
-    port = free_port()
-    config = tmp / "cli.yaml"
-    config.write_text(
-        f"listen: 127.0.0.1:{port}\nauth: {{tokens_file: {tokens}}}\nmodels:\n"
-        "  - {name: sim, engine: sim, model: builtin:tiny, replicas: 2}\n"
-    )
-    proc = start_process(["-m", "control", "serve", "--config", str(config)], port, tmp, "ctl")
-    try:
-        wait_serving(proc, "sim", timeout=120)
+    models = "  - {name: sim, engine: sim, model: builtin:tiny, replicas: 2}\n"
+    settings = f"auth: {{tokens_file: {tokens}}}\n"
+    with serving_control(tmp, models, "sim", settings=settings, timeout=120) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, proc.log_tail()
 
 
 def cli(plane: Proc, *args: str, token: str | None = TOKEN) -> subprocess.CompletedProcess[str]:

@@ -20,9 +20,8 @@ import grpc
 import pytest
 from switchyard.v1 import admin_pb2, admin_pb2_grpc
 
-from control.fleet.local_workers import free_port
 from tests.pki import Pki, make_pki
-from tests.procs import Proc, start_process, wait_serving
+from tests.procs import Proc, serving_control
 
 TOKEN = "real-clients-secret-0123456789"
 ROOT = Path(__file__).resolve().parents[3]
@@ -55,21 +54,18 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
     pki = make_pki(tmp)
     tokens = tmp / "tokens.yaml"
     tokens.write_text(f"tokens: [{{name: clients, token: {TOKEN}, scopes: [generate, admin]}}]\n")
-    port = free_port()
-    config = tmp / "plane.yaml"
-    config.write_text(
-        f"listen: 127.0.0.1:{port}\n"
-        f"tls: {{cert: {pki.server_cert}, key: {pki.server_key}}}\n"
-        f"auth: {{tokens_file: {tokens}}}\n"
-        "models:\n"
+    models = (
         "  - {name: sim, engine: sim, model: builtin:tiny, engine_args: {decode_step_us: 3000}}\n"
     )
-    proc = start_process(["-m", "control", "serve", "--config", str(config)], port, tmp, "ctl")
-    try:
-        wait_serving(proc, "sim", timeout=120, credentials=grpc.ssl_channel_credentials(pki.ca))
+    settings = (
+        f"tls: {{cert: {pki.server_cert}, key: {pki.server_key}}}\n"
+        f"auth: {{tokens_file: {tokens}}}\n"
+    )
+    creds = grpc.ssl_channel_credentials(pki.ca)
+    with serving_control(
+        tmp, models, "sim", settings=settings, timeout=120, credentials=creds
+    ) as proc:
         yield Plane(proc, pki)
-    finally:
-        assert proc.stop() == 0, proc.log_tail()
 
 
 def grpcurl(

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from control.fleet.local_workers import free_port
 from switchyard.client import (
     NO_RETRY,
     AsyncClient,
@@ -23,7 +22,7 @@ from switchyard.client import (
     RetryPolicy,
     Unauthenticated,
 )
-from tests.procs import Proc, start_process, wait_serving
+from tests.procs import Proc, serving_control
 
 TOKEN = "client-test-secret-0123456789"
 
@@ -33,12 +32,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     tmp = tmp_path_factory.mktemp("client")
     tokens = tmp / "tokens.yaml"
     tokens.write_text(f"tokens: [{{name: tests, token: {TOKEN}, scopes: [generate, admin]}}]\n")
-    port = free_port()
-    config = tmp / "client.yaml"
-    config.write_text(
-        f"listen: 127.0.0.1:{port}\n"
-        f"auth: {{tokens_file: {tokens}}}\n"
-        "models:\n"
+    models = (
         "  - name: sim\n"
         "    engine: sim\n"
         "    model: builtin:tiny\n"
@@ -49,12 +43,9 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
         "    engine_args: {decode_step_us: 1000}\n"
         "    limits: {max_concurrency: 1, max_queue: 0}\n"
     )
-    proc = start_process(["-m", "control", "serve", "--config", str(config)], port, tmp, "ctl")
-    try:
-        wait_serving(proc, "one-at-a-time", timeout=120)
+    settings = f"auth: {{tokens_file: {tokens}}}\n"
+    with serving_control(tmp, models, "one-at-a-time", settings=settings, timeout=120) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, proc.log_tail()
 
 
 @pytest.fixture

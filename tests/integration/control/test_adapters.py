@@ -16,7 +16,6 @@ import grpc
 import pytest
 from switchyard.v1 import generation_pb2, generation_pb2_grpc
 
-from control.fleet.local_workers import free_port
 from switchyard.client import Client, FailedPrecondition, InvalidArgument
 from switchyard.client.errors import NotFound, SwitchyardError
 from switchyard_common.tinyadapter import make_tiny_adapter
@@ -45,7 +44,7 @@ def plane(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         " engine_args: {max_lora_rank: 8, decode_step_us: 5000}}\n"
     )
     log_dir = tmp_path_factory.mktemp("lora")
-    with serving_control(log_dir, free_port(), models, "tiny", "sim", "sim-lora") as p:
+    with serving_control(log_dir, models, "tiny", "sim", "sim-lora") as p:
         yield p
 
 

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from control.fleet.local_workers import free_port
 from switchyard.client import Client, FailedPrecondition, InvalidArgument
-from tests.procs import Proc, serving_control
+from tests.procs import SIM_MODEL, Proc, serving_control
 
 LONG = {"max_tokens": 6, "ignore_eos": True}
 
@@ -24,10 +23,10 @@ def plane(
 ) -> Iterator[Proc]:
     models = (
         f"  - {{name: tiny, engine: vllm, model: {tiny_model_dir}, workers: [{worker.address}]}}\n"
-        "  - {name: sim, engine: sim, model: builtin:tiny}\n"
+        + SIM_MODEL
     )
     tmp = tmp_path_factory.mktemp("beams")
-    with serving_control(tmp, free_port(), models, "tiny", "sim", timeout=120) as proc:
+    with serving_control(tmp, models, "tiny", "sim", timeout=120) as proc:
         yield proc
 
 

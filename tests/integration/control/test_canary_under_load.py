@@ -9,7 +9,6 @@ from pathlib import Path
 import grpc
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
-from control.fleet.local_workers import free_port
 from tests.procs import serving_control
 
 
@@ -25,7 +24,7 @@ def test_a_saturated_worker_is_not_ejected_for_canaries_queued_behind_its_load(
         "    engine_args: {max_batch: 2, decode_step_us: 20000}\n"
         "    health: {canary_interval_s: 0.2, canary_timeout_s: 0.5, failure_threshold: 2}\n"
     )
-    with serving_control(tmp_path, free_port(), models, "sim") as proc:
+    with serving_control(tmp_path, models, "sim") as proc:
         with grpc.insecure_channel(proc.address) as ch:
             gen = generation_pb2_grpc.GenerationStub(ch)
             req = generation_pb2.GenerateRequest(

@@ -10,30 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from control.fleet.local_workers import free_port
 from switchyard.client import Client, FailedPrecondition, InvalidArgument
-from tests.procs import Proc, start_process, wait_serving
+from tests.procs import SIM_MODEL, Proc, serving_control
 
 
 @pytest.fixture(scope="module")
 def plane(
     worker: Proc, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Proc]:
-    tmp = tmp_path_factory.mktemp("capabilities")
-    port = free_port()
-    config = tmp / "caps.yaml"
-    config.write_text(
-        f"listen: 127.0.0.1:{port}\nmodels:\n"
+    models = (
         f"  - {{name: tiny, engine: vllm, model: {tiny_model_dir}, workers: [{worker.address}]}}\n"
-        "  - {name: sim, engine: sim, model: builtin:tiny}\n"
+        + SIM_MODEL
     )
-    proc = start_process(["-m", "control", "serve", "--config", str(config)], port, tmp, "ctl")
-    try:
-        wait_serving(proc, "tiny", timeout=120)
-        wait_serving(proc, "sim", timeout=120)
+    tmp = tmp_path_factory.mktemp("capabilities")
+    with serving_control(tmp, models, "tiny", "sim", timeout=120) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, proc.log_tail()
 
 
 def test_list_models_shows_what_each_engine_can_do(plane: Proc) -> None:

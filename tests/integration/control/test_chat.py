@@ -14,9 +14,8 @@ import pytest
 from switchyard.v1 import generation_pb2, generation_pb2_grpc
 from transformers import AutoTokenizer
 
-from control.fleet.local_workers import free_port
 from switchyard.client import Client, FailedPrecondition, InvalidArgument
-from tests.procs import Proc, start_process, wait_serving
+from tests.procs import Proc, serving_control
 
 CONVERSATION = [
     {"role": "system", "content": "You are a switchyard."},
@@ -74,23 +73,16 @@ def sims(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         "{{ m['content'] }}{% endfor %}"
     )
     sim = "    engine: sim\n    model: sim-label\n    engine_args: {decode_step_us: 500}\n"
-    port = free_port()
-    path = tmp / "chat.yaml"
-    path.write_text(
-        f"listen: 127.0.0.1:{port}\nmodels:\n"
+    models = (
         f"  - name: no-template\n{sim}    tokenizer: {bare}\n"
         f"  - name: own-template\n{sim}    tokenizer: {bare}\n"
         "    chat_template: \"{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} "
         '{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"\n'
         f"  - name: strict\n{sim}    tokenizer: {bare}\n    chat_template: {tmp / 'strict.jinja'}\n"
     )
-    proc = start_process(["-m", "control", "serve", "--config", str(path)], port, tmp, "ctl")
-    try:
-        for name in ("no-template", "own-template", "strict"):
-            wait_serving(proc, name, timeout=120)
+    names = ("no-template", "own-template", "strict")
+    with serving_control(tmp, models, *names, timeout=120) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, proc.log_tail()
 
 
 def test_a_model_without_a_template_is_a_failed_precondition(sims: Proc) -> None:

@@ -13,7 +13,6 @@ import grpc
 import pytest
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
-from control.fleet.local_workers import free_port
 from switchyard.client import Client, InvalidArgument
 from tests.procs import Proc, serving_control
 
@@ -28,7 +27,7 @@ def plane(
         " engine_args: {decode_step_us: 2000}}\n"
     )
     tmp = tmp_path_factory.mktemp("samples")
-    with serving_control(tmp, free_port(), models, "tiny", "sim", timeout=120) as proc:
+    with serving_control(tmp, models, "tiny", "sim", timeout=120) as proc:
         yield proc
 
 

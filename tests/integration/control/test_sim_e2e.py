@@ -13,34 +13,24 @@ import pytest
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from control.fleet.local_workers import free_port
 from control.text.tokenizer import Tokenizer
-from tests.procs import Proc, start_process, wait_serving
+from tests.procs import Proc, serving_control
 
 FR = common_pb2.FinishReason
 
 
 @pytest.fixture(scope="module")
 def sim_control(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    tmp = tmp_path_factory.mktemp("sim-control")
-    port = free_port()
-    config = tmp / "sim.yaml"
-    config.write_text(
-        f"listen: 127.0.0.1:{port}\n"
-        "models:\n"
+    models = (
         "  - name: sim-tiny\n"
         "    engine: sim\n"
         "    model: builtin:tiny\n"
         "    engine_args: {max_context: 2048, decode_step_us: 1000, max_batch: 512,\n"
         "                  kv_blocks: 100000}\n"
     )
-    proc = start_process(["-m", "control", "serve", "--config", str(config)], port, tmp, "ctl")
-    try:
-        wait_serving(proc, "sim-tiny", timeout=120)
+    tmp = tmp_path_factory.mktemp("sim-control")
+    with serving_control(tmp, models, "sim-tiny", timeout=120) as proc:
         yield proc
-    finally:
-        code = proc.stop()
-        assert code == 0, proc.log_tail()
 
 
 def request(max_tokens: int, text: str = "Hello") -> generation_pb2.GenerateRequest:

@@ -20,7 +20,6 @@ import jsonschema
 import pytest
 from switchyard.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
-from control.fleet.local_workers import free_port
 from switchyard.client import Client, InvalidArgument
 from switchyard.client.errors import from_rpc_error
 from tests.procs import Proc, serving_control
@@ -44,7 +43,7 @@ def plane(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         '{"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": true}}'
     )
     models = f"  - {{name: tiny, engine: vllm, model: {tiny_model_dir}, engine_args: {settings}}}\n"
-    with serving_control(tmp_path_factory.mktemp("structured"), free_port(), models, "tiny") as p:
+    with serving_control(tmp_path_factory.mktemp("structured"), models, "tiny") as p:
         yield p
 
 

@@ -26,14 +26,13 @@ from control.fleet.local_workers import free_port
 from tests.integration.fuzz import edge, wire
 from tests.integration.fuzz.test_public_api import worker_in_flight
 from tests.pki import Pki, make_pki
-from tests.procs import Proc, start_process, wait_serving
+from tests.procs import Proc, serving_control
 
 TOKEN = "edge-test-token-0123456789"
 AUTH = [("authorization", f"Bearer {TOKEN}")]
 MAX_MESSAGE = 65536
 SETTLE_S = 30.0
 SIM = (
-    "models:\n"
     "  - name: sim\n"
     "    engine: sim\n"
     "    model: builtin:tiny\n"
@@ -84,22 +83,19 @@ def start_plane(tmp_path_factory: pytest.TempPathFactory, tls: bool) -> Iterator
     port, metrics = free_port(), free_port()
     pki = make_pki(tmp) if tls else None
     tls_line = f"tls: {{cert: {pki.server_cert}, key: {pki.server_key}}}\n" if pki else ""
-    config = tmp / "edge.yaml"
-    config.write_text(
-        f"listen: 127.0.0.1:{port}\n{tls_line}"
+    settings = (
+        f"{tls_line}"
         f"metrics: {{listen: 127.0.0.1:{metrics}}}\n"
         f"auth: {{tokens_file: {tokens}}}\n"
-        f"api: {{max_message_bytes: {MAX_MESSAGE}}}\n" + SIM
+        f"api: {{max_message_bytes: {MAX_MESSAGE}}}\n"
     )
-    proc = start_process(["-m", "control", "serve", "--config", str(config)], port, tmp, "ctl")
     creds = grpc.ssl_channel_credentials(pki.ca) if pki else None
-    try:
-        wait_serving(proc, "", timeout=120, credentials=creds)
+    with serving_control(
+        tmp, SIM, settings=settings, port=port, timeout=120, credentials=creds
+    ) as proc:
         plane = Plane(proc, "127.0.0.1", port, f"127.0.0.1:{metrics}", pki)
         _wait(lambda: _serves(plane), "the model to serve")
         yield plane
-    finally:
-        assert proc.stop() == 0, proc.log_tail()
 
 
 @pytest.fixture(scope="module")

@@ -19,21 +19,15 @@ from hypothesis import strategies as st
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
 from switchyard.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from control.fleet.local_workers import free_port
 from tests.integration.fuzz.generated import Plan, examples, plans, run
-from tests.procs import Proc, start_process, wait_serving
+from tests.procs import Proc, serving_control
 
 IDLE_WITHIN_S = 30.0
 
 
 @pytest.fixture(scope="module")
 def sim_control(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    tmp = tmp_path_factory.mktemp("fuzz")
-    port = free_port()
-    config = tmp / "fuzz.yaml"
-    config.write_text(
-        f"listen: 127.0.0.1:{port}\n"
-        "models:\n"
+    models = (
         "  - name: sim\n"
         "    engine: sim\n"
         "    model: builtin:tiny\n"
@@ -41,12 +35,8 @@ def sim_control(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
         "    limits: {max_concurrency: 4, max_queue: 2}\n"
         "    engine_args: {max_context: 2048, decode_step_us: 300}\n"
     )
-    proc = start_process(["-m", "control", "serve", "--config", str(config)], port, tmp, "ctl")
-    try:
-        wait_serving(proc, "sim", timeout=120)
+    with serving_control(tmp_path_factory.mktemp("fuzz"), models, "sim", timeout=120) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, proc.log_tail()
 
 
 def fuzz(address: str, model: str, count: int) -> Counter[str]:

@@ -25,7 +25,7 @@ from switchyard.worker.v1 import worker_pb2
 from control.fleet.local_workers import cpp_worker_binary, free_port
 from tests.integration.fuzz import wire
 from tests.integration.fuzz.test_public_api import assert_healthy_and_idle, worker_in_flight
-from tests.procs import Proc, start_process, wait_serving
+from tests.procs import Proc, serving_control, start_process, wait_serving
 
 IDLE_S = 2.0  # the sim control plane's api.request_idle_s
 IDLE_WITHIN_S = 30.0
@@ -33,24 +33,16 @@ IDLE_WITHIN_S = 30.0
 
 @pytest.fixture(scope="module")
 def sim_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    tmp = tmp_path_factory.mktemp("wire")
-    port = free_port()
-    config = tmp / "wire.yaml"
-    config.write_text(
-        f"listen: 127.0.0.1:{port}\n"
-        f"api: {{request_idle_s: {IDLE_S}}}\n"
-        "models:\n"
+    models = (
         "  - name: sim\n"
         "    engine: sim\n"
         "    model: builtin:tiny\n"
         "    engine_args: {max_context: 2048, decode_step_us: 300}\n"
     )
-    proc = start_process(["-m", "control", "serve", "--config", str(config)], port, tmp, "ctl")
-    try:
-        wait_serving(proc, "sim", timeout=120)
+    settings = f"api: {{request_idle_s: {IDLE_S}}}\n"
+    tmp = tmp_path_factory.mktemp("wire")
+    with serving_control(tmp, models, "sim", settings=settings, timeout=120) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, proc.log_tail()
 
 
 @pytest.fixture(scope="module")
