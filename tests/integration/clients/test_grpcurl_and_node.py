@@ -1,6 +1,6 @@
 """Real clients of other ecosystems against a control plane with TLS (a CA of the
 test's own) and bearer tokens: grpcurl calling Generate, Complete and Admin, and a
-Node.js client (@grpc/grpc-js, @grpc/proto-loader from npm: tests/clients/node) that
+Node.js client (@grpc/grpc-js, @grpc/proto-loader from npm: tests/integration/clients/node) that
 streams, reads a typed error's details and cancels a stream mid-way."""
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def test_a_node_client_streams_reads_error_details_and_cancels(plane: Plane) -> 
     node = shutil.which("node")
     assert node, "node is not installed (scripts/setup.sh --for-tests installs it)"
     assert (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir(), (
-        "run npm ci in tests/clients/node (scripts/setup.sh --for-tests does)"
+        "run npm ci in tests/integration/clients/node (scripts/setup.sh --for-tests does)"
     )
     googleapis = Path(google.rpc.__path__[0]).parent.parent
     out = subprocess.run(

@@ -37,7 +37,8 @@ def test_list_models_shows_what_each_engine_can_do(plane: Proc) -> None:
         )
     caps = {m.name: m.capabilities for m in models.models}
     assert caps["tiny"].max_logprobs == 20 and caps["sim"].max_logprobs == 0
-    # The control plane fans n out, the same on every engine (tests/control/test_samples.py).
+    # The control plane fans n out, the same on every engine
+    # (tests/integration/control/test_samples.py).
     assert caps["tiny"].max_n == caps["sim"].max_n == 16
     assert list(caps["tiny"].structured_output) == [
         "choice", "grammar", "json_object", "json_schema", "regex",

@@ -350,7 +350,7 @@ def scrape(address: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
 def test_routers_are_added_up_in_one_scrape(planes: tuple[Plane, Plane], prom: Prometheus) -> None:
     _, routed = planes
     # Separate connections, as separate clients: the kernel spreads them over both
-    # processes (tests/control/test_routers.py shows that it does).
+    # processes (tests/integration/control/test_routers.py shows that it does).
     channels = [
         grpc.insecure_channel(routed.proc.address, options=[("grpc.use_local_subchannel_pool", 1)])
         for _ in range(16)

@@ -1,7 +1,7 @@
 """Structured output through the control plane on the real vLLM CPU worker (the tiny model,
 whose random weights would write anything): every output satisfies its constraint, over
 many seeds, streamed or whole. Bad constraints name the field. (An engine that takes none
-is refused before any worker is called: tests/control/test_capabilities.py.)
+is refused before any worker is called: tests/integration/control/test_capabilities.py.)
 
 The worker here is started as an operator who wants compact JSON would start it, with
 vLLM's `structured_outputs_config: {backend: xgrammar, disable_any_whitespace: true}`:

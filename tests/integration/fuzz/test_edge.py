@@ -3,7 +3,7 @@ of bad attempt gets the status or the close a grpc++ server gives, the server ke
 serving others, and after many attempts nothing is left behind (file descriptors,
 threads, memory; nothing in flight).
 
-SWITCHYARD_EDGE_ATTEMPTS=10000 ./scripts/test tests/fuzz/test_edge.py -s runs the full
+SWITCHYARD_EDGE_ATTEMPTS=10000 ./scripts/test tests/integration/fuzz/test_edge.py -s runs the full
 size (attempts in all, every kind in turn); CI runs a few hundred."""
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Hostile bytes on every port, beside the field-level fuzz: a body that does not parse is
 INVALID_ARGUMENT naming the message type, with a BadRequest on `request`, on every RPC of
 every server (the control plane's public API, Admin, health and reflection, and the vLLM
-worker here; the C++ worker in tests/runtime_cpp/test_malformed.py); generated random
+worker here; the C++ worker in tests/integration/runtime_cpp/test_malformed.py); generated random
 bodies, truncations and bit flips never end UNKNOWN or INTERNAL, on the C++ worker too,
 and the service is healthy and idle afterwards.
 
-SWITCHYARD_WIRE_FUZZ_CASES=10000 ./scripts/test tests/fuzz/test_wire.py -s runs the full
+SWITCHYARD_WIRE_FUZZ_CASES=10000 ./scripts/test tests/integration/fuzz/test_wire.py -s runs the full
 size (calls per server); CI runs a few hundred."""
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def test_full_model_spec(tmp_path: Path) -> None:
         ({"models": [model(replicas=0)]}, "models[0].replicas"),
         ({"models": [model(replicas="two")]}, "models[0].replicas"),
         # vLLM's names and types are checked by the worker against the vLLM it runs
-        # (tests/pyworker/test_engine_args.py); here, only their shape.
+        # (tests/unit/pyworker/test_engine_args.py); here, only their shape.
         (
             {"models": [model(engine_args={"Max-Model-Len": 1})]},
             "models[0].engine_args.Max-Model-Len",

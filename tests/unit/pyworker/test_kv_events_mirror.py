@@ -1,7 +1,7 @@
 """The vLLM worker's reading of its engine's KV-cache events (`pyworker.kv_events`), from
 messages shaped as vLLM's publisher sends them: what a new subscriber is told the engine
 holds, and what a gap in the engine's sequence does to it. The publisher itself, on a
-real engine, is in tests/conformance/test_kv_events.py."""
+real engine, is in tests/integration/conformance/test_kv_events.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The tokens file and the per-token rate limits, as units (tests/control/test_security.py
-runs them through a real control plane)."""
+"""The tokens file and the per-token rate limits, as units
+(tests/integration/control/test_security.py runs them through a real control plane)."""
 
 from __future__ import annotations
 
