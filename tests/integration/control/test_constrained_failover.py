@@ -23,6 +23,7 @@ import random
 import signal
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -221,26 +222,29 @@ async def kill_rounds(ctl: Proc, checker: Checker, channels: int) -> None:
     assert len(set(positions)) > 1  # killed at different points of the outputs
 
 
+@pytest.fixture(scope="module")
+def vllm_plane(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """Two vLLM workers behind two router processes (the supervisor and one more), for
+    both tests: one channel reaches one process, four reach both. Starting the two vLLM
+    engines once, not once per test, saves the suite most of a minute."""
+    tmp = tmp_path_factory.mktemp("vllm-plane")
+    ctl = start_plane(tmp, VLLM_MODEL.format(model=tiny_model_dir), "tiny", "--routers", "2")
+    try:
+        yield ctl
+    finally:
+        assert ctl.stop() == 0, ctl.log_tail()
+
+
 @pytest.mark.timeout(900)
 async def test_killed_vllm_worker_resumes_every_constraint_kind(
-    tiny_model_dir: Path, tmp_path: Path, checker: Checker
+    vllm_plane: Proc, checker: Checker
 ) -> None:
-    ctl = start_plane(tmp_path, VLLM_MODEL.format(model=tiny_model_dir), "tiny")
-    try:
-        await kill_rounds(ctl, checker, channels=1)
-    finally:
-        assert ctl.stop() == 0, ctl.log_tail()
+    await kill_rounds(vllm_plane, checker, channels=1)
 
 
 @pytest.mark.timeout(900)
-async def test_the_same_through_two_routers(
-    tiny_model_dir: Path, tmp_path: Path, checker: Checker
-) -> None:
-    ctl = start_plane(tmp_path, VLLM_MODEL.format(model=tiny_model_dir), "tiny", "--routers", "2")
-    try:
-        await kill_rounds(ctl, checker, channels=4)
-    finally:
-        assert ctl.stop() == 0, ctl.log_tail()
+async def test_the_same_through_two_routers(vllm_plane: Proc, checker: Checker) -> None:
+    await kill_rounds(vllm_plane, checker, channels=4)
 
 
 SIM_MODEL = (

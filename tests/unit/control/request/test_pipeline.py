@@ -165,3 +165,18 @@ async def test_a_client_that_leaves_frees_the_worker_at_once(
     await stream.aclose()  # type: ignore[attr-defined]
     assert fleet.transports[0].cancelled == 1
     await fleet.close()  # nothing left in flight
+
+
+async def test_samples_that_a_worker_rejects_name_the_prompt_field_the_client_sent(
+    tok: Tokenizer,
+) -> None:
+    """n > 1: the prompt is tokenized once and each sample sent as token ids, but a
+    worker's complaint about them names the field the client set (`text`)."""
+    bad = rpc_error(
+        grpc.StatusCode.INVALID_ARGUMENT, "no", [FieldViolation("prompt_token_ids", "too long")]
+    )
+    fleet = Fleet(tok, fails(bad))
+    with pytest.raises(InvalidArgument) as err:
+        await fleet.generate(n=2)
+    assert {v.field for v in err.value.violations} == {"text"}
+    await fleet.close()
