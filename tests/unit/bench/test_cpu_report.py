@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from bench.cpu import report
 from bench.results import RAW, read_json
 
 
 def test_the_page_is_written_whole_from_the_kept_run(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     data = read_json(RAW / "cpu" / "benchmarks.json.xz")
     report.write({**data, "commit": "abc1234"}, tmp_path, "results/cpu/benchmarks.json.xz")
     text = (tmp_path / report.PAGE).read_text()
