@@ -13,7 +13,7 @@ import pytest
 
 from control.fleet.local_workers import free_port
 from switchyard_common.tinymodel import ensure_tiny_model
-from tests.procs import Proc, serving_control, start_process, wait_serving
+from tests.procs import SIM_MODEL, Proc, serving_control, start_process, wait_serving
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +45,18 @@ def control(worker: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     )
     with serving_control(tmp_path_factory.mktemp("control"), models, "tiny", name="control") as p:
         yield p
+
+
+@pytest.fixture(scope="module")
+def vllm_and_sim(
+    worker: Proc, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Proc]:
+    """A control plane per test module serving the session's vLLM worker as 'tiny' and a
+    simulator model as 'sim', to hold one behaviour to both engines."""
+    models = (
+        f"  - {{name: tiny, engine: vllm, model: {tiny_model_dir}, workers: [{worker.address}]}}\n"
+        + SIM_MODEL
+    )
+    tmp = tmp_path_factory.mktemp("vllm-and-sim")
+    with serving_control(tmp, models, "tiny", "sim", timeout=120) as proc:
+        yield proc

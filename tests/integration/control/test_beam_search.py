@@ -6,28 +6,18 @@ not take."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from switchyard.client import Client, FailedPrecondition, InvalidArgument
-from tests.procs import SIM_MODEL, Proc, serving_control
+from tests.procs import Proc
 
 LONG = {"max_tokens": 6, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def plane(
-    worker: Proc, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Proc]:
-    models = (
-        f"  - {{name: tiny, engine: vllm, model: {tiny_model_dir}, workers: [{worker.address}]}}\n"
-        + SIM_MODEL
-    )
-    tmp = tmp_path_factory.mktemp("beams")
-    with serving_control(tmp, models, "tiny", "sim", timeout=120) as proc:
-        yield proc
+def plane(vllm_and_sim: Proc) -> Proc:
+    return vllm_and_sim
 
 
 def _score(choice: object) -> float:
