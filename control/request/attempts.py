@@ -150,11 +150,7 @@ class Attempts:
             return worker
         except NoHealthyWorker as e:
             span.set_attribute("switchyard.outcome", "no_healthy_worker")
-            others = (
-                [w for w in self.entry.workers if w.healthy and w not in tried]
-                if constrained
-                else []
-            )
+            others = constrained and any(w.healthy and w not in tried for w in self.entry.workers)
             error = no_worker_left(
                 e,
                 self.params,

@@ -21,7 +21,6 @@ worker remains to try).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -112,12 +111,12 @@ def no_worker_left(
     last_failure: WorkerCallFailed | None,
     interrupted_by: WorkerCallFailed | None,
     refused: WorkerCallFailed | None,
-    others_could_serve: Sequence[object],
+    others_could_serve: bool,
 ) -> StatusError:
     """What the client hears when no worker is left to try: before any token, what went
     wrong on the last one (every worker full, an engine failure) or just that none is
     healthy; after tokens, that the stream cannot go on, and why. `others_could_serve`:
-    healthy workers not tried that a constrained stream could not move to."""
+    some healthy worker not tried is there, which a constrained stream could not move to."""
     if tokens_so_far:
         cause = interrupted_by or last_failure
         if refused is not None:  # the workers that could, would not

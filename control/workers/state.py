@@ -141,9 +141,8 @@ class WorkerState:
         self.serving = False  # its health says SERVING (set_serving)
         self.draining = False  # no new requests: it is being drained or unloaded
         self.leaving = False  # gone from DNS; removed once drained
-        # Calls in flight from this process (begin_call / end_call keep these four).
+        # Calls in flight from this process (begin_call / end_call keep these three).
         self.calls: set[InFlight] = set()
-        self.in_flight = 0  # == len(calls)
         self.in_flight_tokens = 0  # their prompt plus output tokens
         self.prefill_tokens = 0  # prompt tokens of the calls with no message back yet
         self.in_flight_at_report = 0  # in_flight when `load` was reported
@@ -158,6 +157,11 @@ class WorkerState:
         self.kv_synced = asyncio.Event()
 
     # -- read by routing, the API and the metrics
+
+    @property
+    def in_flight(self) -> int:
+        """Calls in flight on it from this process."""
+        return len(self.calls)
 
     @property
     def healthy(self) -> bool:
@@ -205,7 +209,6 @@ class WorkerState:
     def begin_call(self, call: InFlight, cost_tokens: int, prompt_tokens: int) -> None:
         """A call starts: counted in flight, its prompt as prefill until `prefilled`."""
         self.calls.add(call)
-        self.in_flight += 1
         self.in_flight_tokens += cost_tokens
         self.prefill_tokens += prompt_tokens
 
@@ -218,7 +221,6 @@ class WorkerState:
         if call not in self.calls:
             return
         self.calls.discard(call)
-        self.in_flight -= 1
         self.in_flight_tokens -= cost_tokens
         self.prefill_tokens -= prompt_tokens_left
 
