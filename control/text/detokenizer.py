@@ -7,11 +7,18 @@ vLLM): it decodes a short window of ids whose first few tokens are already-decod
 context, and emits the text beyond that context once it no longer ends with U+FFFD
 (an unfinished character). The window is cut back to its last few tokens as it grows,
 so the cost of a push does not grow with the length of the output.
+
+SentencePiece tokenizers with byte fallback (Llama 2, Mistral) spell a character their
+vocabulary lacks as tokens `<0xE6>` `<0x97>` `<0xA5>`, and their decoder turns each run of
+such byte tokens into text as a whole: one invalid byte anywhere in the run makes every
+byte of it U+FFFD, even the bytes of characters that were complete before it. So the
+text of a run of byte tokens is held back until the run ends (a token that is not a
+byte comes), and the streamed text is exactly the whole decode's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -33,6 +40,18 @@ class TokenDecoder(Protocol):
     def decode(self, ids: Sequence[int], /, skip_special_tokens: bool) -> str: ...
 
 
+class Vocabulary:
+    """What the detokenizer needs to know of a vocabulary: its special tokens (which
+    decoding may skip) and, when its decoder has byte fallback, its byte tokens (`<0x00>`
+    to `<0xFF>`; empty otherwise)."""
+
+    __slots__ = ("byte_ids", "special_ids")
+
+    def __init__(self, special_ids: Iterable[int], byte_ids: Iterable[int] = ()) -> None:
+        self.special_ids = frozenset(special_ids)
+        self.byte_ids = frozenset(byte_ids)
+
+
 class IncrementalDetokenizer:
     """Turns token ids, pushed as they are generated, into complete-character text."""
 
@@ -42,11 +61,19 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] = (),
         *,
         skip_special_tokens: bool = True,
+        vocabulary: Vocabulary | None = None,
     ) -> None:
         self._decoder = decoder
         self._skip_special_tokens = skip_special_tokens
+        # Special tokens that decoding skips are left out of the window, so that they
+        # never take the place of context (a window of only skipped tokens decodes as "",
+        # and the next word would lose its leading space).
+        self._skipped = vocabulary.special_ids if vocabulary and skip_special_tokens else None
+        self._bytes = vocabulary.byte_ids if vocabulary and vocabulary.byte_ids else None
         # The ids being decoded together: context first, then ids not yet fully emitted.
-        self._window: list[int] = list(prompt_ids[-CONTEXT_TOKENS:]) if prompt_ids else []
+        self._window: list[int] = self._kept(prompt_ids)[-CONTEXT_TOKENS:] if prompt_ids else []
+        # Where the window's trailing run of byte tokens starts (None: it ends in none).
+        self._run: int | None = None
         # How many characters of decode(self._window) are context or already emitted.
         self._done = len(self._decode(self._window))
         self._chunks: list[str] = []
@@ -60,8 +87,15 @@ class IncrementalDetokenizer:
 
     def push(self, ids: Sequence[int]) -> str:
         """Add generated token ids; return the newly completed text ("" if none)."""
+        if self._skipped is not None:
+            ids = self._kept(ids)
         if not ids:
             return ""
+        if self._bytes is not None and self._track_run(ids):
+            # The run's text can still change: only what comes before it is settled.
+            self._window.extend(ids)
+            assert self._run is not None
+            return self._emit(self._decode(self._window[: self._run]), -1)
         self._window.extend(ids)
         full = self._decode(self._window)
         if not full.endswith(REPLACEMENT_CHAR):
@@ -88,7 +122,32 @@ class IncrementalDetokenizer:
             return ""
         return self._decoder.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
+    def _kept(self, ids: Sequence[int]) -> list[int]:
+        skipped = self._skipped
+        if not skipped or skipped.isdisjoint(ids):
+            return list(ids)
+        return [t for t in ids if t not in skipped]
+
+    def _track_run(self, ids: Sequence[int]) -> bool:
+        """Follow the trailing run of byte tokens through `ids` (about to be added to the
+        window); whether the window then ends in one."""
+        assert self._bytes is not None
+        is_byte = self._bytes
+        run = self._run
+        at = len(self._window)
+        for i, t in enumerate(ids):
+            if t in is_byte:
+                if run is None:
+                    run = at + i
+            else:
+                run = None
+        self._run = run
+        return run is not None
+
     def _emit(self, full: str, end: int) -> str:
+        """Emit `full` up to `end` (-1: all of it) beyond what is emitted already."""
+        if end < 0:
+            end = len(full)
         if end <= self._done:
             return ""
         chunk = full[self._done : end]

@@ -7,6 +7,8 @@ go straight to the Rust `tokenizers` backend when the tokenizer has one.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -14,7 +16,7 @@ from typing import Any
 import structlog
 
 from control.errors import FailedPrecondition, InvalidArgument
-from control.text.detokenizer import IncrementalDetokenizer
+from control.text.detokenizer import IncrementalDetokenizer, Vocabulary
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +43,7 @@ class Tokenizer:
         self.vocab_size = len(self._hf)
         eos = self._hf.eos_token_id
         self.eos_token_id: int | None = int(eos) if eos is not None else None
+        self.vocabulary = _vocabulary(self._hf, self._fast)
         log.info("tokenizer loaded", path=path, vocab_size=self.vocab_size)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -114,4 +117,23 @@ class Tokenizer:
     def detokenizer(
         self, prompt_ids: Sequence[int], skip_special_tokens: bool
     ) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens=skip_special_tokens)
+        return IncrementalDetokenizer(
+            self, prompt_ids, skip_special_tokens=skip_special_tokens, vocabulary=self.vocabulary
+        )
+
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _vocabulary(hf: Any, fast: Any) -> Vocabulary:
+    """The special tokens, and the byte tokens of a tokenizer whose decoder has byte
+    fallback (SentencePiece models such as Llama 2 and Mistral)."""
+    if fast is None:  # transformers' own decode skips these
+        return Vocabulary(int(i) for i in getattr(hf, "all_special_ids", ()))
+    # The Rust decode skips its added tokens marked special, and only those.
+    special = [i for i, t in fast.get_added_tokens_decoder().items() if t.special]
+    decoder = json.loads(fast.to_str()).get("decoder")
+    if '"ByteFallback"' not in json.dumps(decoder):
+        return Vocabulary(special)
+    byte_ids = [i for token, i in fast.get_vocab().items() if _BYTE_TOKEN.fullmatch(token)]
+    return Vocabulary(special, byte_ids)
