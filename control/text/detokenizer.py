@@ -18,7 +18,7 @@ byte comes), and the streamed text is exactly the whole decode's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -42,14 +42,43 @@ class TokenDecoder(Protocol):
 
 class Vocabulary:
     """What the detokenizer needs to know of a vocabulary: its special tokens (which
-    decoding may skip) and, when its decoder has byte fallback, its byte tokens (`<0x00>`
-    to `<0xFF>`; empty otherwise)."""
+    decoding may skip); when its decoder has byte fallback, its byte tokens (`<0x00>` to
+    `<0xFF>`; empty otherwise); and, when its decoder only joins the tokens' texts
+    (byte-level BPE, SentencePiece), `piece`: a token's text after other text (None for a
+    token that is part of a character, a byte token, or a special one). With pieces, a
+    push that follows fully emitted text needs no decode: its text is its pieces'."""
 
-    __slots__ = ("byte_ids", "special_ids")
+    __slots__ = ("_cache", "_piece_of", "byte_ids", "special_ids")
 
-    def __init__(self, special_ids: Iterable[int], byte_ids: Iterable[int] = ()) -> None:
+    def __init__(
+        self,
+        special_ids: Iterable[int],
+        byte_ids: Iterable[int] = (),
+        piece_of: Callable[[int], str | None] | None = None,
+    ) -> None:
         self.special_ids = frozenset(special_ids)
         self.byte_ids = frozenset(byte_ids)
+        self._piece_of = piece_of
+        self._cache: dict[int, str | None] = {}
+
+    @property
+    def has_pieces(self) -> bool:
+        return self._piece_of is not None
+
+    def piece(self, token_id: int) -> str | None:
+        try:
+            return self._cache[token_id]
+        except KeyError:
+            pass
+        text = None
+        if (
+            self._piece_of is not None
+            and token_id not in self.byte_ids
+            and token_id not in self.special_ids
+        ):
+            text = self._piece_of(token_id)
+        self._cache[token_id] = text
+        return text
 
 
 class IncrementalDetokenizer:
@@ -70,12 +99,16 @@ class IncrementalDetokenizer:
         # and the next word would lose its leading space).
         self._skipped = vocabulary.special_ids if vocabulary and skip_special_tokens else None
         self._bytes = vocabulary.byte_ids if vocabulary and vocabulary.byte_ids else None
+        self._pieces = vocabulary if vocabulary and vocabulary.has_pieces else None
         # The ids being decoded together: context first, then ids not yet fully emitted.
         self._window: list[int] = self._kept(prompt_ids)[-CONTEXT_TOKENS:] if prompt_ids else []
         # Where the window's trailing run of byte tokens starts (None: it ends in none).
         self._run: int | None = None
         # How many characters of decode(self._window) are context or already emitted.
         self._done = len(self._decode(self._window))
+        # Whether all of decode(self._window) is emitted (or context), and it is not "":
+        # then the text of tokens with pieces is theirs, appended.
+        self._settled = self._done > 0
         self._chunks: list[str] = []
 
     @property
@@ -91,9 +124,14 @@ class IncrementalDetokenizer:
             ids = self._kept(ids)
         if not ids:
             return ""
+        if self._settled and self._pieces is not None:
+            text = self._joined_pieces(ids)
+            if text is not None:
+                return text
         if self._bytes is not None and self._track_run(ids):
             # The run's text can still change: only what comes before it is settled.
             self._window.extend(ids)
+            self._settled = False
             assert self._run is not None
             return self._emit(self._decode(self._window[: self._run]), -1)
         self._window.extend(ids)
@@ -105,9 +143,36 @@ class IncrementalDetokenizer:
         else:
             end = self._done  # an unfinished character: hold everything back
         chunk = self._emit(full, end)
+        self._settled = 0 < self._done == len(full)
         if len(self._window) >= (WINDOW_LIMIT if self._done >= len(full) else FORCE_LIMIT):
             self._cut_window(full)
         return chunk
+
+    def _joined_pieces(self, ids: Sequence[int]) -> str | None:
+        """The text of `ids` after settled text, when every one has a piece (no decode)."""
+        assert self._pieces is not None
+        piece = self._pieces.piece
+        if len(ids) == 1:
+            text = piece(ids[0])
+            if text is None:
+                return None
+        else:
+            parts = [piece(t) for t in ids]
+            if None in parts:
+                return None
+            text = "".join(parts)  # type: ignore[arg-type]
+        window = self._window
+        window.extend(ids)
+        self._done += len(text)
+        if text:
+            self._chunks.append(text)
+        if len(window) >= WINDOW_LIMIT:
+            tail = window[-CONTEXT_TOKENS:]
+            tail_text = self._decode(tail)
+            if tail_text:  # else keep the window: a word after it would lose its space
+                self._window = tail
+                self._done = len(tail_text)
+        return text
 
     def flush(self) -> str:
         """End of stream: return the text still held back.
@@ -178,6 +243,7 @@ class IncrementalDetokenizer:
             done = len(tail_text)
         self._window = tail
         self._done = done
+        self._settled = 0 < done == len(tail_text)
 
 
 def _settled_length(text: str) -> int:

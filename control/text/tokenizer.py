@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 
 from control.errors import FailedPrecondition, InvalidArgument
-from control.text.detokenizer import IncrementalDetokenizer, Vocabulary
+from control.text.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Vocabulary
 
 log = structlog.get_logger(__name__)
 
@@ -126,14 +126,52 @@ _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _vocabulary(hf: Any, fast: Any) -> Vocabulary:
-    """The special tokens, and the byte tokens of a tokenizer whose decoder has byte
-    fallback (SentencePiece models such as Llama 2 and Mistral)."""
+    """The special tokens; the byte tokens of a tokenizer whose decoder has byte fallback
+    (SentencePiece models such as Llama 2 and Mistral); and the tokens' pieces when its
+    decoder only joins their texts."""
     if fast is None:  # transformers' own decode skips these
         return Vocabulary(int(i) for i in getattr(hf, "all_special_ids", ()))
-    # The Rust decode skips its added tokens marked special, and only those.
-    special = [i for i, t in fast.get_added_tokens_decoder().items() if t.special]
+    # The Rust decode skips its added tokens marked special, and only those; no added
+    # token has a piece (they are decoded apart from the decoder).
+    added = fast.get_added_tokens_decoder()
+    special = [i for i, t in added.items() if t.special]
     decoder = json.loads(fast.to_str()).get("decoder")
-    if '"ByteFallback"' not in json.dumps(decoder):
-        return Vocabulary(special)
-    byte_ids = [i for token, i in fast.get_vocab().items() if _BYTE_TOKEN.fullmatch(token)]
-    return Vocabulary(special, byte_ids)
+    byte_ids: list[int] = []
+    if '"ByteFallback"' in json.dumps(decoder):
+        byte_ids = [i for token, i in fast.get_vocab().items() if _BYTE_TOKEN.fullmatch(token)]
+    anchor = fast.token_to_id("a")
+    if not _joins_texts(decoder) or anchor is None:
+        return Vocabulary(special, byte_ids)
+    anchor_text = fast.decode([anchor], skip_special_tokens=False)
+    added_ids = frozenset(added)
+
+    def piece_of(token_id: int) -> str | None:
+        if token_id in added_ids:
+            return None
+        text: str = fast.decode([anchor, token_id], skip_special_tokens=False)
+        if not text.startswith(anchor_text) or REPLACEMENT_CHAR in text:
+            return None  # part of a character (or not a token at all)
+        return text[len(anchor_text) :]
+
+    return Vocabulary(special, byte_ids, piece_of)
+
+
+# Decoders whose text for a token sequence is the texts of its tokens joined (past the
+# first token, which Strip may shorten): byte-level BPE, and SentencePiece's
+# replace-and-fuse (its byte runs are handled apart).
+_JOINING = {"ByteLevel", "Replace", "ByteFallback", "Fuse", "Strip", "Metaspace"}
+
+
+def _joins_texts(decoder: Any) -> bool:
+    if not isinstance(decoder, dict):
+        return False
+    kind = decoder.get("type")
+    if kind == "Sequence":
+        return all(_joins_texts(d) for d in decoder.get("decoders", ()))
+    if kind == "Replace":
+        return (
+            decoder.get("pattern", {}).get("String") == "\u2581" and decoder.get("content") == " "
+        )
+    if kind == "Strip":
+        return decoder.get("stop", 0) == 0  # from the start only
+    return kind in _JOINING

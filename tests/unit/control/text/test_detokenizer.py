@@ -5,10 +5,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
 from control.text.detokenizer import FORCE_LIMIT, IncrementalDetokenizer
+from control.text.tokenizer import Tokenizer
 from switchyard_common.tinymodel import ensure_tiny_model
 
 EOS_ID = 1
@@ -233,3 +236,57 @@ def test_random_byte_token_streams(tok: Any) -> None:
         chunks = stream(detok, ids, sizes)
         assert all(REPLACEMENT_CHAR not in chunk for chunk in chunks), text
         assert "".join(chunks) == text
+
+
+@pytest.fixture(scope="module")
+def control_tok() -> Tokenizer:
+    return Tokenizer(str(ensure_tiny_model()))
+
+
+class CountingTokenizer:
+    """The control plane's tokenizer, counting its decode calls."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self.calls = 0
+
+    def decode(self, ids: Sequence[int], /, skip_special_tokens: bool) -> str:
+        self.calls += 1
+        return self.tok.decode(ids, skip_special_tokens)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    out=st.lists(st.integers(0, 511), max_size=80),
+    prompt=st.lists(st.integers(0, 511), max_size=8),
+    sizes=st.lists(st.integers(1, 5), min_size=1, max_size=80),
+    skip=st.booleans(),
+)
+def test_random_ids_with_pieces_stream_as_the_whole_decode(
+    control_tok: Tokenizer, out: list[int], prompt: list[int], sizes: list[int], skip: bool
+) -> None:
+    """Tokens with a piece of their own are appended without a decode; mixed with byte
+    pieces of characters and special tokens, the text is still the whole decode's."""
+    assert control_tok.vocabulary.has_pieces
+    detok = control_tok.detokenizer(prompt, skip)
+    chunks = stream(detok, out, [*sizes, len(out)])
+    whole = control_tok.decode(prompt[-5:] + out, skip)[
+        len(control_tok.decode(prompt[-5:], skip)) :
+    ]
+    assert "".join(chunks) == whole
+
+
+def test_whole_words_after_the_first_need_no_decode(control_tok: Tokenizer) -> None:
+    counting = CountingTokenizer(control_tok)
+    prompt = control_tok.encode("Hello, world!", True)
+    detok = IncrementalDetokenizer(
+        counting, prompt, vocabulary=control_tok.vocabulary, skip_special_tokens=True
+    )
+    ids = control_tok.encode(" The quick brown fox jumps over the lazy dog near the river", False)
+    assert all(control_tok.vocabulary.piece(t) is not None for t in ids)
+    calls_before = counting.calls
+    text = "".join(detok.push([t]) for t in ids) + detok.flush()
+    assert text == " The quick brown fox jumps over the lazy dog near the river"
+    # One decode per cut of the window (every WINDOW_LIMIT - CONTEXT_TOKENS tokens) and
+    # the flush's, not one per token.
+    assert counting.calls - calls_before <= 2 + len(ids) // 10 < len(ids)
