@@ -7,7 +7,7 @@ tracing: {otlp_endpoint: 127.0.0.1:4317}   # OTLP/gRPC; default: OTEL_EXPORTER_O
 tls: {cert: server.pem, key: server.key, client_ca: ca.pem}   # client_ca: mutual TLS
 auth: {tokens_file: tokens.yaml}   # bearer tokens (control/api/auth.py); reloaded on change
 api: {reflection: true, admin: true, max_message_bytes: 67108864, max_metadata_bytes: 16384,
-      request_idle_s: 30}
+      request_idle_s: 30, stream_interval: 1}   # stream_interval: tokens per chunk, at least
 health: {listen: 0.0.0.0:50052}   # grpc.health.v1 alone, plaintext, for probes (kubelet)
 models:
   - name: tiny
@@ -43,7 +43,16 @@ import yaml
 from switchyard_common.wire import DEFAULT_MAX_METADATA_BYTES, DEFAULT_REQUEST_IDLE_S
 
 ENGINES = ("vllm", "trtllm", "sim")
-API_KEYS = {"reflection", "admin", "max_message_bytes", "max_metadata_bytes", "request_idle_s"}
+# output.stream_interval and api.stream_interval: tokens per streamed chunk, at most.
+MAX_STREAM_INTERVAL = 1024
+API_KEYS = {
+    "reflection",
+    "admin",
+    "max_message_bytes",
+    "max_metadata_bytes",
+    "request_idle_s",
+    "stream_interval",
+}
 ROUTING_POLICIES = (
     "least_load",
     "prefix_affinity",
@@ -208,6 +217,7 @@ class ServeConfig:
     max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES  # over it: RESOURCE_EXHAUSTED
     # How long a call may wait for its request message before DEADLINE_EXCEEDED.
     request_idle_s: float = DEFAULT_REQUEST_IDLE_S
+    stream_interval: int = 1  # tokens per streamed chunk, at least (a request may ask more)
 
 
 def default_config(listen: str = DEFAULT_LISTEN) -> ServeConfig:
@@ -294,7 +304,17 @@ def parse_config(raw: object) -> ServeConfig:
             api, "max_metadata_bytes", DEFAULT_MAX_METADATA_BYTES, "api", integer=True
         ),
         request_idle_s=float(_number(api, "request_idle_s", DEFAULT_REQUEST_IDLE_S, "api")),
+        stream_interval=_stream_interval(api),
     )
+
+
+def _stream_interval(api: dict[str, Any]) -> int:
+    value: int = _number(api, "stream_interval", 1, "api", integer=True)
+    if value > MAX_STREAM_INTERVAL:
+        raise ConfigError(
+            "api.stream_interval", f"at most {MAX_STREAM_INTERVAL} tokens per chunk, got {value}"
+        )
+    return value
 
 
 def _tls(raw: dict[str, Any]) -> TlsConfig | None:

@@ -130,7 +130,7 @@ class ControlPlane:
     async def start(self) -> None:
         if tracing.configure(self.otlp_endpoint, self.config.service_name):
             log.info("exporting traces", otlp_endpoint=self.otlp_endpoint)
-        generation = GenerationServicer(self.registry)
+        generation = GenerationServicer(self.registry, self.config.stream_interval)
         admin: admin_pb2_grpc.AdminServicer
         if self.router_of is not None:
             self.forwarder = admin = AdminForwarder(self.router_of)

@@ -222,6 +222,8 @@ class Generations:
             return
         llm = self._engine.llm
         completion_tokens = 0
+        interval = parsed.stream_interval  # tokens per chunk after the first
+        held: worker_pb2.Chunk | None = None  # tokens kept back for that cadence
         cached_tokens = 0
         last_token: int | None = None
         first_token_at: float | None = None
@@ -261,7 +263,12 @@ class Generations:
                                 chunk.logprobs.extend(
                                     logprobs(token_ids, completion.logprobs, parsed.logprobs)
                                 )
-                            if sink.blocking:
+                            if held is not None:
+                                held.MergeFrom(chunk)
+                                chunk, held = held, None
+                            if completion_tokens and len(chunk.token_ids) < interval:
+                                held = chunk  # the stream's cadence: not yet
+                            elif sink.blocking:
                                 await _outside(budget, when, sink.chunk(chunk))
                             else:
                                 await sink.chunk(chunk)
@@ -270,6 +277,9 @@ class Generations:
                             last_token = token_ids[-1]
                             self._rate.add(len(token_ids))
                     if out.finished:
+                        if held is not None:  # the tokens kept back go out before the end
+                            await _outside(budget, when, sink.chunk(held))
+                            held = None
                         # Built before the request counts as finished, so that a fault
                         # here still ends it with an error rather than with nothing.
                         final = self.final_for(parsed, state, completion, last_token, guard)
@@ -283,12 +293,18 @@ class Generations:
                             final.time_to_first_token_ms = (first_token_at - arrived) * 1000.0
                         state.finished = True
                         await _outside(budget, when, sink.final(final))
-        except (asyncio.CancelledError, TimeoutError, StatusError, StreamClosed):
+        except (asyncio.CancelledError, StatusError, StreamClosed):
+            raise
+        except TimeoutError:
+            if held is not None:  # generated in time: they go out before TIME_LIMIT
+                await sink.chunk(held)
             raise
         except Exception as exc:
             if state.finished:  # the Final is out; nothing left to tell the client
                 log.warning("engine error after the final", request_id=state.request_id)
                 return
+            if held is not None:
+                await sink.chunk(held)
             await self._engine_error(exc, state, sink, completion_tokens, parsed)
             return
         finally:

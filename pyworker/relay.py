@@ -64,6 +64,7 @@ class StreamedRequest:
         "_first_token_at",
         "_generations",
         "_guard",
+        "_held",
         "_last_token",
         "_over",
         "_parsed",
@@ -96,6 +97,9 @@ class StreamedRequest:
         self._abort_sent = False  # for an Abort RPC that came before the engine knew it
         self._added = False  # add_request() has returned (or failed)
         self._timer: asyncio.TimerHandle | None = None
+        # Tokens kept back for the stream's cadence (parsed.stream_interval), and their
+        # logprobs (None when not asked).
+        self._held: tuple[list[int], list[Any] | None] | None = None
         # Resolved once the request is over in the engine and released.
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -208,7 +212,11 @@ class StreamedRequest:
                 lps = None
                 if self._parsed.logprobs is not None and completion.logprobs:
                     lps = logprobs(token_ids, completion.logprobs, self._parsed.logprobs)
-                self._sink.chunk(token_ids, lps, prompt_lps)
+                interval = self._parsed.stream_interval
+                if interval > 1 and state.completion_tokens:  # after the first: a cadence
+                    self._hold(token_ids, lps, interval)
+                else:
+                    self._sink.chunk(token_ids, lps, prompt_lps)
                 state.completion_tokens += len(token_ids)
                 self._last_token = token_ids[-1]
                 self._generations.count_tokens(len(token_ids))
@@ -224,9 +232,28 @@ class StreamedRequest:
                 final.time_to_first_token_ms = (self._first_token_at - self._arrived) * 1000.0
             self._end()
             try:
+                self._flush_held()
                 self._sink.final(final)
             finally:
                 self._release()  # the engine is done with it: nothing to abort
+
+    def _hold(self, token_ids: list[int], lps: list[Any] | None, interval: int) -> None:
+        """Keep tokens back until at least `interval` are unsent, then send them all."""
+        if self._held is None:
+            self._held = (token_ids, lps)
+        else:
+            held_ids, held_lps = self._held
+            held_ids.extend(token_ids)
+            if held_lps is not None and lps:
+                held_lps.extend(lps)
+        if len(self._held[0]) >= interval:
+            self._flush_held()
+
+    def _flush_held(self) -> None:
+        if self._held is not None:
+            ids, lps = self._held
+            self._held = None
+            self._sink.chunk(ids, lps)
 
     # ---- endings ----------------------------------------------------------------------
 
@@ -245,6 +272,7 @@ class StreamedRequest:
         )
         self._end()
         try:
+            self._flush_held()  # generated in time: they go out before TIME_LIMIT
             self._sink.final(final)
         finally:
             self._abort_then_release()
@@ -280,6 +308,7 @@ class StreamedRequest:
             if state.completion_tokens == 0:
                 self._sink.error(EngineFailure(message))
             else:
+                self._flush_held()
                 self._sink.final(
                     worker_pb2.Final(
                         finish_reason=common_pb2.FINISH_REASON_ERROR,

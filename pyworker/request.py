@@ -51,6 +51,8 @@ class ParsedGenerate:
     resume_token_ids: tuple[int, ...] = ()
     # A resumed constrained request: its grammar, to advance past those tokens.
     resume_spec: ResumeSpec | None = None
+    # Tokens per chunk: the first at once, then at least this many, the rest at the end.
+    stream_interval: int = 1
 
     @property
     def engine_prompt(self) -> list[int]:
@@ -179,6 +181,7 @@ def parse_generate(request: Any, info: EngineInfo) -> ParsedGenerate:
         beam_width=beam_width,
         resume_token_ids=tuple(resume),
         resume_spec=spec,
+        stream_interval=max(1, int(request.stream_interval)),
     )
 
 

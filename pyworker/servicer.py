@@ -107,6 +107,7 @@ class WorkerServicer:
                 beam_search=info.max_beam_width > 0,
                 max_beam_width=info.max_beam_width,
                 resume_tokens=True,
+                stream_interval=True,
                 resumable_constraints=info.resumable_constraints,
             ),
             adapters=[_adapter_info(a) for a in self.generations.adapters.all()],

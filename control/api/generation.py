@@ -84,8 +84,9 @@ def _visible(model: str) -> bool:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignore[misc]
-    def __init__(self, registry: ModelRegistry) -> None:
+    def __init__(self, registry: ModelRegistry, stream_interval: int = 1) -> None:
         self._registry = registry
+        self._stream_interval = stream_interval  # tokens per chunk, at least
 
     async def _responses(
         self, request: generation_pb2.GenerateRequest, context: Context, rpc: str
@@ -110,7 +111,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
                 caller = current_caller()
                 if caller is not None:
                     caller.check_model(entry.name)
-                prepared = await prepare(entry, params, received, context.time_remaining())
+                prepared = await prepare(
+                    entry, params, received, context.time_remaining(), self._stream_interval
+                )
                 gen = run_samples(prepared, progress, with_span(span), caller)
                 async with contextlib.aclosing(gen):
                     async for resp in gen:

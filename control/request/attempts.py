@@ -213,6 +213,10 @@ class Attempts:
         noted = False  # in final.resumed_after_tokens
         context_len = len(prompt_ids) + len(generated)
         cost = context_len + remaining_tokens * p.beam_width
+        interval = self.prepared.stream_interval
+        if interval > 1:
+            wreq.stream_interval = interval
+        held: worker_pb2.Chunk | None = None  # tokens kept back for the stream's cadence
         call = worker.generate(wreq, timeout, cost_tokens=cost, prompt_tokens=context_len)
         try:
             async with call as events:
@@ -221,7 +225,10 @@ class Attempts:
                         self.final.resumed_after_tokens.append(generated_before)
                         noted = True
                     if resp.HasField("final"):
-                        self._take_final(resp.final)
+                        if held is not None:
+                            yield output.push(held)
+                            held = None
+                        self._take_final(resp.final)  # after a stop string: still STOP
                         raise _Over
                     wchunk = resp.chunk
                     now = time.perf_counter()
@@ -230,11 +237,26 @@ class Attempts:
                     elif n := len(wchunk.token_ids):
                         metrics.itl.observe((now - self.last_token_at) / n)
                     self.last_token_at = now
+                    if interval > 1:
+                        # The first token at once, then at least `interval` a chunk (a
+                        # worker that keeps the cadence itself sends them so already).
+                        if held is not None:
+                            held.MergeFrom(wchunk)
+                            wchunk = held
+                        if generated and len(wchunk.token_ids) < interval:
+                            held = wchunk
+                            continue
+                        held = None
                     yield output.push(wchunk)
                     if output.stopped:
                         call.cancel()  # the worker aborts the engine request
                         raise _Over
         except WorkerCallFailed as failure:
+            if held is not None:  # the tokens it did generate stand; another continues
+                yield output.push(held)
+                held = None
+                if output.stopped:
+                    raise _Over from failure
             span.set_status(StatusCode.ERROR, f"{failure.kind.value}: {failure.message}")
             self._fail_over(failure, worker, resumed and len(generated) == generated_before)
             if failure is not self.refused:

@@ -30,6 +30,8 @@ class PreparedRequest:
     max_tokens: int  # per sequence (per beam), within the model's context
     received_at: float  # time.perf_counter() when the RPC arrived
     deadline: float | None  # time.monotonic() by which it must end; None: no deadline
+    # Tokens per streamed chunk: the request's, raised to the server's (api.stream_interval).
+    stream_interval: int = 1
 
     @property
     def most_tokens(self) -> int:
@@ -66,13 +68,26 @@ async def prompt_ids_of(entry: ModelEntry, params: GenerationParams) -> list[int
 
 
 async def prepare(
-    entry: ModelEntry, params: GenerationParams, received_at: float, time_remaining: float | None
+    entry: ModelEntry,
+    params: GenerationParams,
+    received_at: float,
+    time_remaining: float | None,
+    stream_interval: int = 1,
 ) -> PreparedRequest:
     """Check `params` against `entry`'s model and tokenize its prompt; raises the
-    client's error (FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND) naming the field."""
+    client's error (FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND) naming the field.
+    `stream_interval` is the server's tokens per chunk, the least a request gets."""
     deadline = None if time_remaining is None else time.monotonic() + time_remaining
     check_capabilities(entry, params)
     await check_adapter(entry, params)
     prompt_ids = await prompt_ids_of(entry, params)
     max_tokens = entry.limits.bind(params, prompt_ids)
-    return PreparedRequest(entry, params, tuple(prompt_ids), max_tokens, received_at, deadline)
+    return PreparedRequest(
+        entry,
+        params,
+        tuple(prompt_ids),
+        max_tokens,
+        received_at,
+        deadline,
+        max(params.stream_interval, stream_interval, 1),
+    )

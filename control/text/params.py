@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from switchyard.v1 import common_pb2, generation_pb2
 
+from control.config import MAX_STREAM_INTERVAL
 from control.errors import FieldViolation, InvalidArgument
 from control.text.constraints import Constraint, parse_constraint
 from switchyard_common.names import ADAPTER_NAME, ADAPTER_NAME_RULE
@@ -83,6 +84,7 @@ class GenerationParams:
     n: int = 1  # samples of this prompt
     adapter: str = ""  # the LoRA adapter's name; "" for the base model
     beam_width: int = 1  # beam search with this many beams when > 1
+    stream_interval: int = 0  # tokens per streamed chunk; 0: the server's default
 
     @property
     def prompt_field(self) -> str:
@@ -226,6 +228,15 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
             )
         )
 
+    stream_interval = out.stream_interval if out.HasField("stream_interval") else 0
+    if stream_interval > MAX_STREAM_INTERVAL:
+        v.append(
+            FieldViolation(
+                "output.stream_interval",
+                f"at most {MAX_STREAM_INTERVAL} tokens per chunk, got {stream_interval}",
+            )
+        )
+
     constraint = parse_constraint(req.constraint, v) if req.HasField("constraint") else None
 
     n = req.n or 1
@@ -267,6 +278,7 @@ def parse_request(req: generation_pb2.GenerateRequest) -> GenerationParams:
         n=n,
         adapter=req.adapter,
         beam_width=beam_width,
+        stream_interval=stream_interval,
     )
 
 

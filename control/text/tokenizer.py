@@ -173,5 +173,5 @@ def _joins_texts(decoder: Any) -> bool:
             decoder.get("pattern", {}).get("String") == "\u2581" and decoder.get("content") == " "
         )
     if kind == "Strip":
-        return decoder.get("stop", 0) == 0  # from the start only
+        return bool(decoder.get("stop", 0) == 0)  # from the start only
     return kind in _JOINING

@@ -326,3 +326,25 @@ def test_a_cancelled_beam_search_leaves_nothing_held(stub: Any, engine: str) -> 
     assert len(got) == 4 and last.final.finish_reason == FR.FINISH_REASON_LENGTH
     assert not session.ended[1].is_set()  # nothing was sent for the cancelled search
     session.close_and_drain()
+
+
+def test_each_attempt_keeps_its_own_stream_interval(stub: Any, engine: str) -> None:
+    from tests.integration.conformance.test_worker_conformance import check_cadence
+
+    session = Session(stub)
+    intervals = {1: 0, 2: 5, 3: 11}
+    session.start(
+        *(
+            request(
+                max_tokens=40, request_id=f"{engine}-cadence-{a}", attempt_id=a, stream_interval=n
+            )
+            for a, n in intervals.items()
+        )
+    )
+    for a, n in intervals.items():
+        got, last = session.wait(a)
+        assert last.HasField("final") and last.final.usage.completion_tokens == 40 == len(got)
+        sizes = [len(e.chunk.token_ids) for e in session.seen(a)[:-1]]
+        if n > 1:
+            check_cadence(sizes, 40, n)
+    session.close_and_drain()

@@ -450,3 +450,23 @@ def test_health_serving_then_not_serving_on_drain(
         assert rest[-1].HasField("final")
         assert rest[-1].final.finish_reason == FR.FINISH_REASON_LENGTH
         assert proc.popen.wait(30) == 0
+
+
+def check_cadence(sizes: list[int], total: int, interval: int) -> None:
+    """The first tokens at once, then chunks of at least `interval`, the rest last."""
+    assert sum(sizes) == total
+    assert sizes[0] < interval, sizes  # the first step's token, not held for the cadence
+    assert all(n >= interval for n in sizes[1:-1]), sizes
+    assert len(sizes) <= 2 + (total - sizes[0]) // interval, sizes
+
+
+def test_stream_interval_sends_fewer_larger_chunks_of_the_same_tokens(stub: Any) -> None:
+    info = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
+    assert info.capabilities.stream_interval
+    plain, _ = generate(stub, request(max_tokens=30))
+    chunks, final = generate(stub, request(max_tokens=30, stream_interval=8, logprobs=1))
+    check_cadence([len(c.token_ids) for c in chunks], 30, 8)
+    assert [t for c in chunks for t in c.token_ids] == [t for c in plain for t in c.token_ids]
+    assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
+    assert final.usage.completion_tokens == 30
+    assert final.finish_reason == FR.FINISH_REASON_LENGTH

@@ -59,6 +59,8 @@ def test_full_model_spec(tmp_path: Path) -> None:
         ({"models": [model()], "api": {"max_message_bytes": 0}}, "api.max_message_bytes"),
         ({"models": [model()], "api": {"max_metadata_bytes": 1.5}}, "api.max_metadata_bytes"),
         ({"models": [model()], "api": {"request_idle_s": 0}}, "api.request_idle_s"),
+        ({"models": [model()], "api": {"stream_interval": 0}}, "api.stream_interval"),
+        ({"models": [model()], "api": {"stream_interval": 1025}}, "api.stream_interval"),
         ({"models": [model()], "tracing": {"otlp_endpoint": "nowhere"}}, "tracing.otlp_endpoint"),
         ({"models": [model(worker_tls={"ca": "/no/ca.pem"})]}, "models[0].worker_tls.ca"),
         ({"models": [model(worker_tls={"cert": __file__})]}, "models[0].worker_tls"),
@@ -228,11 +230,12 @@ def test_gpus_split_evenly_over_the_replicas_in_order() -> None:
 def test_the_transport_limits_load_and_a_bad_one_names_its_key(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
     config.write_text(
-        "api: {max_metadata_bytes: 8192, request_idle_s: 2.5}\n"
+        "api: {max_metadata_bytes: 8192, request_idle_s: 2.5, stream_interval: 4}\n"
         "models: [{name: m, engine: sim, model: builtin:tiny}]\n"
     )
     loaded = load_config(config)
     assert (loaded.max_metadata_bytes, loaded.request_idle_s) == (8192, 2.5)
+    assert loaded.stream_interval == 4
     config.write_text(
         "api: {max_metadata_bytes: 1.5}\nmodels: [{name: m, engine: sim, model: builtin:tiny}]\n"
     )

@@ -64,10 +64,12 @@ class Fleet:
         prepared = await prepare(self.entry, parse_request(req), time.perf_counter(), 10.0)
         progress = Progress()
         text, ids, finals = "", [], []
+        self.sizes: list[int] = []  # the tokens of each chunk the client got
         async for msg in run_samples(prepared, progress):
             if msg.HasField("chunk"):
                 text += msg.chunk.text
                 ids += msg.chunk.token_ids
+                self.sizes.append(len(msg.chunk.token_ids))
             else:
                 finals.append(msg.final)
         assert progress.over and len(finals) == 1
@@ -106,6 +108,46 @@ async def test_a_worker_that_fails_mid_stream_is_resumed_after_its_tokens(
     resumed = fleet.transports[1].requests[0]
     assert list(resumed.resume_token_ids) == words[:3] and resumed.max_tokens == 3
     assert final.usage.completion_tokens == 6
+    await fleet.close()
+
+
+async def test_stream_interval_merges_a_workers_chunks_after_the_first(
+    tok: Tokenizer, words: list[int]
+) -> None:
+    """A worker that sends one token a chunk (it keeps no cadence itself): the client
+    still gets the first token at once, then chunks of the interval, the rest last; the
+    worker is asked for the cadence too."""
+    fleet = Fleet(tok, tokens(words))
+    text, ids, final = await fleet.generate(
+        stopping={"max_tokens": 8}, output={"stream_interval": 3}
+    )
+    assert fleet.sizes == [1, 3, 3, 1]
+    assert ids == words[:8] and text == tok.decode(words[:8], True)
+    assert fleet.transports[0].requests[0].stream_interval == 3
+    assert final.usage.completion_tokens == 8
+    await fleet.close()
+
+
+async def test_tokens_held_for_the_cadence_survive_a_worker_failure(
+    tok: Tokenizer, words: list[int]
+) -> None:
+    fleet = Fleet(tok, tokens(words[:3], then=rpc_error(UNAVAILABLE)), tokens(words[3:]))
+    text, ids, _ = await fleet.generate(stopping={"max_tokens": 7}, output={"stream_interval": 4})
+    assert ids == words[:7] and text == tok.decode(words[:7], True)
+    assert list(fleet.transports[1].requests[0].resume_token_ids) == words[:3]
+    assert sum(fleet.sizes) == 7 and fleet.sizes[0] == 1
+    await fleet.close()
+
+
+async def test_a_stop_string_inside_held_tokens_still_cuts_the_text(
+    tok: Tokenizer, words: list[int]
+) -> None:
+    fleet = Fleet(tok, tokens(words))
+    text, _, final = await fleet.generate(
+        stopping={"stop": ["here"]}, output={"stream_interval": 5}
+    )
+    assert text == " Hello world. Stop " and final.stop_string == "here"
+    assert final.finish_reason == common_pb2.FINISH_REASON_STOP
     await fleet.close()
 
 

@@ -79,6 +79,15 @@ def test_every_violation_is_reported_at_once() -> None:
     ]
 
 
+def test_stream_interval_up_to_its_limit() -> None:
+    def interval(n: int) -> generation_pb2.GenerateRequest:
+        return req(output=generation_pb2.OutputOptions(stream_interval=n))
+
+    assert parse_request(interval(1024)).stream_interval == 1024
+    assert parse_request(interval(0)).stream_interval == 0  # the server's default
+    assert fields_of(interval(1025)) == ["output.stream_interval"]
+
+
 def test_empty_prompts() -> None:
     assert fields_of(req(text="")) == ["text"]
     empty_ids = generation_pb2.GenerateRequest(model="m", token_ids=generation_pb2.TokenIds())
