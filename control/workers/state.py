@@ -33,6 +33,7 @@ class Capabilities:
     max_beam_width: int = 0
     resume_tokens: bool = False  # takes resume_token_ids apart from the prompt
     resumable_constraints: frozenset[str] = frozenset()  # kinds it continues mid-output
+    stream_interval: bool = False  # sends its chunks at the request's stream_interval
 
     @classmethod
     def of(cls, msg: Any) -> Capabilities:
@@ -48,6 +49,7 @@ class Capabilities:
             max_beam_width=msg.max_beam_width if msg.beam_search else 0,
             resume_tokens=msg.resume_tokens,
             resumable_constraints=frozenset(msg.resumable_constraints),
+            stream_interval=msg.stream_interval,
         )
 
     def to_proto(self) -> common_pb2.Capabilities:
@@ -63,6 +65,7 @@ class Capabilities:
             max_beam_width=self.max_beam_width,
             resume_tokens=self.resume_tokens,
             resumable_constraints=sorted(self.resumable_constraints),
+            stream_interval=self.stream_interval,
         )
 
 
