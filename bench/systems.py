@@ -213,13 +213,14 @@ def control_plane(
     routers: int = 1,
     cwd: Path | None = None,
     listeners: int = 0,
+    settings: str = "",
 ) -> Iterator[tuple[str, Proc]]:
     """Switchyard's control plane with the given models (YAML list items), in `routers`
     processes on one port (from the checkout in `cwd`, if given), each with `listeners`
-    gRPC servers (0: its default)."""
+    gRPC servers (0: its default); `settings`: top-level YAML lines (`api: ...`)."""
     port = free_port()
     config = log_dir / f"{name}.yaml"
-    config.write_text(f"listen: 127.0.0.1:{port}\nmodels:\n{model_yaml}")
+    config.write_text(f"listen: 127.0.0.1:{port}\n{settings}models:\n{model_yaml}")
     argv = [sys.executable, "-m", "control", "serve", "--config", str(config.resolve())]
     argv += ["--routers", str(routers)] + (["--listeners", str(listeners)] if listeners else [])
     proc = start(name, argv, log_dir, cwd=cwd)

@@ -10,6 +10,7 @@ every process, CPU milliseconds per 1000 tokens, side by side in one run:
     python -m bench.cpu.proxy --streams 200 --rate 6000 --routers 1 2 4
     python -m bench.cpu.proxy --streams 1000 --rate 16000 --routers 1 \
         --listeners 1 16 1 16 --clients 2 --probe  # one process's accept: 1 against 16
+    python -m bench.cpu.proxy --streams 200 --rate 6000 --routers 1 --intervals 1 4 16
 
 A change that adds per-token work shows as a larger figure for the control plane. The
 token rate a small machine reaches is printed too: when the control plane cannot keep
@@ -175,22 +176,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"    workers: [{', '.join(sims)}]\n"
             "    limits: {max_concurrency: 100000, max_queue: 100000}\n"
         )
-        runs: list[tuple[int, int, Path | None]] = [
-            (r, n, None) for r in args.routers for n in args.listeners
+        runs: list[tuple[int, int, Path | None, int]] = [
+            (r, n, None, i) for r in args.routers for n in args.listeners for i in args.intervals
         ]
         if args.before:  # the other checkout, with the same router counts
-            runs += [(r, 0, args.before) for r in args.routers]
-        for routers, listeners, cwd in runs:
-            name = f"control-x{routers}-l{listeners}" + ("-before" if cwd else "")
+            runs += [(r, 0, args.before, 1) for r in args.routers]
+        for routers, listeners, cwd, interval in runs:
+            name = f"control-x{routers}-l{listeners}-i{interval}" + ("-before" if cwd else "")
             label = f"control plane, {routers} process{'es' if routers > 1 else ''}"
             if cwd:
                 label += ", before"
             if listeners:
                 label += f", {listeners} listener{'s' if listeners > 1 else ''}"
-            with systems.control_plane(model_yaml, log_dir, name, routers, cwd, listeners) as (
-                cp,
-                proc,
-            ):
+            settings = ""
+            if interval > 1:  # the server's floor, so every stream gets it
+                label += f", stream_interval {interval}"
+                settings = f"api: {{stream_interval: {interval}}}\n"
+            with systems.control_plane(
+                model_yaml, log_dir, name, routers, cwd, listeners, settings
+            ) as (cp, proc):
                 pids = [proc.popen.pid, *systems.descendants(proc.popen.pid)]
                 results.append(
                     measure(
@@ -299,6 +303,13 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=[0],
         help="gRPC listeners per control-plane process, each tried (0: its default)",
+    )
+    p.add_argument(
+        "--intervals",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="api.stream_interval of the control plane, each tried (tokens per chunk)",
     )
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", type=int, default=256)
