@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import secrets
 import shutil
 import signal
@@ -43,6 +44,7 @@ from control.fleet.gauges import FleetCollector
 from control.fleet.lifecycle import ModelLoader, StartupError
 from control.fleet.models import ModelRegistry
 from control.fleet.router_processes import AdminForwarder, RouterPool
+from control.fleet.shared_limits import LIMITS_FILE_ENV, SharedLimits
 from control.metrics import malformed_request, sample_tasks, scrape_registry
 from control.tracing import endpoint_from_env
 from switchyard_common.health import HealthServicer
@@ -79,7 +81,9 @@ class ControlPlane:
         self.routers = routers
         self.router_of = router_of
         self.ready_file = ready_file
-        self.registry = ModelRegistry()
+        # Limits that hold for the whole service: with routers, in a file they all map.
+        self.limits = _shared_limits(routers, router_of)
+        self.registry = ModelRegistry(self.limits)
         self.health = HealthServicer()
         listeners = max(1, listeners)
         self.shared_port = routers > 1 or router_of is not None or listeners > 1
@@ -89,7 +93,13 @@ class ControlPlane:
             ("grpc.max_send_message_length", config.max_message_bytes),
         ]
         # A bad tokens file fails the start here, naming it.
-        self.tokens = TokenStore(Path(config.tokens_file)) if config.tokens_file else None
+        try:
+            self.tokens = (
+                TokenStore(Path(config.tokens_file), self.limits) if config.tokens_file else None
+            )
+        except BaseException:
+            self._close_limits()
+            raise
         self._internal_token: str | None = None
         interceptors = [AuthInterceptor(self.tokens)] if self.tokens is not None else []
         if self.tokens is not None and routers > 1:
@@ -181,6 +191,7 @@ class ControlPlane:
                 len(self.servers),
                 self._metrics_dir,
                 self._internal_token,
+                self.limits,
             )
             await self.pool.start(self._models())
         await self._update_health()
@@ -331,8 +342,28 @@ class ControlPlane:
             self._metrics_server.server_close()
         if self._metrics_dir is not None:
             shutil.rmtree(self._metrics_dir, ignore_errors=True)
+        self._close_limits()  # the supervisor's routers have stopped
         await asyncio.to_thread(tracing.shutdown)  # what is buffered goes out
         log.info("stopped")
+
+    def _close_limits(self) -> None:
+        """Close the shared limits; the supervisor, which created them, removes them."""
+        if self.limits is None:
+            return
+        if self.router_of is None:
+            self.limits.remove()
+        else:
+            self.limits.close()
+        self.limits = None
+
+
+def _shared_limits(routers: int, router_of: str | None) -> SharedLimits | None:
+    """The supervisor of routers creates the shared limits; a router opens its
+    supervisor's (OSError, naming the file, where it cannot)."""
+    if router_of is None:
+        return SharedLimits.create() if routers > 1 else None
+    path = os.environ.get(LIMITS_FILE_ENV)
+    return SharedLimits(Path(path)) if path else None
 
 
 def _server_credentials(tls: TlsConfig | None) -> grpc.ServerCredentials | None:
@@ -350,9 +381,13 @@ async def serve(
     ready_file: Path | None = None,
     listeners: int = DEFAULT_LISTENERS,
 ) -> int:
-    plane = ControlPlane(
-        config, routers=routers, router_of=router_of, ready_file=ready_file, listeners=listeners
-    )
+    try:
+        plane = ControlPlane(
+            config, routers=routers, router_of=router_of, ready_file=ready_file, listeners=listeners
+        )
+    except OSError as e:  # the shared limits file
+        log.error("startup failed", error=str(e))
+        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -15,8 +15,10 @@ tokens:
 UNAUTHENTICATED for a missing or unknown token, PERMISSION_DENIED for a missing scope,
 RESOURCE_EXHAUSTED with RetryInfo beyond the token's request rate. The caller is then
 `current_caller()` for the servicer (same task as the handler), which checks the
-model and charges the token rate. Reflection needs any valid token. Rates are kept per
-process: with `--routers N` a token may use up to N times its rate in all.
+model and charges the token rate. Reflection needs any valid token. Rates hold for the
+whole service: with `--routers N` the buckets live in a file that every process maps
+(control/fleet/shared_limits.py), found by the token's name and rates, so N processes
+together let a token use its rate once.
 
 Tokens are looked up by the SHA-256 of what the caller sent, so the lookup's timing
 says nothing about the secrets. `TokenStore.reload()` (on SIGHUP, or when the file
@@ -33,7 +35,7 @@ import hashlib
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ import yaml
 from control.api.status import to_rpc_status
 from control.config import ConfigError
 from control.errors import Overloaded, PermissionDenied, StatusError, Unauthenticated
+from control.fleet.shared_limits import Bucket, LimitState, LocalLimits
 
 log = structlog.get_logger(__name__)
 
@@ -58,23 +61,34 @@ class RateLimiter:
     """Token buckets of one token's requests and tokens per second, each holding up to
     one second's worth (and at least one request). A generation takes its prompt plus
     max_tokens when admitted and gets back what it did not generate; the bucket may go
-    into debt, and then waits."""
+    into debt, and then waits.
+
+    The buckets live in `state`: one of its own by default; with `--routers N`, the
+    service's shared state, where every process finds the same buckets by the token's
+    `name` and rates."""
 
     def __init__(
         self,
         requests_per_s: float | None,
         tokens_per_s: float | None,
         clock: Callable[[], float] = time.monotonic,
+        name: str = "",
+        state: LimitState | None = None,
     ) -> None:
         self.requests_per_s = requests_per_s
         self.tokens_per_s = tokens_per_s
         self._clock = clock
-        now = clock()
+        self._state: LimitState = state if state is not None else LocalLimits()
+        key = f"{name}\0{requests_per_s!r}\0{tokens_per_s!r}"
         # A request bucket holds at least one request, or a rate under 1/s admits none.
         self._requests = (
-            _Bucket(requests_per_s, now, max(1.0, requests_per_s)) if requests_per_s else None
+            Bucket.of(f"{key}\0requests", requests_per_s, max(1.0, requests_per_s))
+            if requests_per_s
+            else None
         )
-        self._tokens = _Bucket(tokens_per_s, now, tokens_per_s) if tokens_per_s else None
+        self._tokens = (
+            Bucket.of(f"{key}\0tokens", tokens_per_s, tokens_per_s) if tokens_per_s else None
+        )
 
     def same_rates(self, other: RateLimiter) -> bool:
         return (self.requests_per_s, self.tokens_per_s) == (
@@ -84,33 +98,18 @@ class RateLimiter:
 
     def take_request(self) -> float | None:
         """None if the call may go ahead, else the seconds to wait."""
-        return None if self._requests is None else self._requests.take(1, self._clock(), 1)
+        if self._requests is None:
+            return None
+        return self._state.take(self._requests, 1, 1, self._clock())
 
     def take_tokens(self, n: int) -> float | None:
-        return None if self._tokens is None else self._tokens.take(n, self._clock(), 0)
+        if self._tokens is None:
+            return None
+        return self._state.take(self._tokens, n, 0, self._clock())
 
     def give_back_tokens(self, n: int) -> None:
         if self._tokens is not None and n > 0:
-            self._tokens.level = min(self._tokens.capacity, self._tokens.level + n)
-
-
-@dataclass(slots=True)
-class _Bucket:
-    rate: float
-    updated: float
-    capacity: float
-    level: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.level = self.capacity
-
-    def take(self, n: float, now: float, floor: float) -> float | None:
-        self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
-        self.updated = now
-        if self.level < floor:
-            return (floor - self.level) / self.rate
-        self.level -= n
-        return None
+            self._state.give_back(self._tokens, n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +150,9 @@ def current_caller() -> Caller | None:
     return _CALLER.get()
 
 
-def parse_tokens(raw: object, where: str) -> dict[str, Caller]:
-    """{sha256 of the secret: its Caller}; ConfigError names the entry and key."""
+def parse_tokens(raw: object, where: str, limits: LimitState | None = None) -> dict[str, Caller]:
+    """{sha256 of the secret: its Caller}; ConfigError names the entry and key. The
+    rate limiters keep their buckets in `limits` (None: each its own)."""
     if not isinstance(raw, dict) or not isinstance(raw.get("tokens"), list):
         raise ConfigError(f"{where}: tokens", "expected a mapping with a list 'tokens'")
     out: dict[str, Caller] = {}
@@ -183,7 +183,7 @@ def parse_tokens(raw: object, where: str) -> dict[str, Caller]:
             name=name,
             scopes=frozenset(scopes),
             models=None if models is None else frozenset(models),
-            limiter=_limiter(t.get("rate_limit"), f"{key}.rate_limit"),
+            limiter=_limiter(t.get("rate_limit"), f"{key}.rate_limit", name, limits),
         )
     return out
 
@@ -201,7 +201,7 @@ def _digest(t: dict[str, Any], key: str) -> str:
     return digest.lower()
 
 
-def _limiter(raw: object, key: str) -> RateLimiter | None:
+def _limiter(raw: object, key: str, name: str, limits: LimitState | None) -> RateLimiter | None:
     if raw is None:
         return None
     if not isinstance(raw, dict) or set(raw) - {"requests_per_s", "tokens_per_s"}:
@@ -209,14 +209,16 @@ def _limiter(raw: object, key: str) -> RateLimiter | None:
     for name, v in raw.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
             raise ConfigError(f"{key}.{name}", f"expected a number > 0, got {v!r}")
-    return RateLimiter(raw.get("requests_per_s"), raw.get("tokens_per_s"))
+    return RateLimiter(raw.get("requests_per_s"), raw.get("tokens_per_s"), name=name, state=limits)
 
 
 class TokenStore:
-    """The tokens of one file, reloaded whole."""
+    """The tokens of one file, reloaded whole; their buckets in `limits` (None: each
+    rate limiter its own)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, limits: LimitState | None = None) -> None:
         self.path = path
+        self.limits = limits
         self._mtime = 0.0
         self._internal: dict[str, Caller] = {}
         self._callers = self._read()  # fails the start when the file is bad
@@ -229,7 +231,7 @@ class TokenStore:
             raise ConfigError(str(self.path), f"cannot read: {e.strerror}") from e
         except yaml.YAMLError as e:
             raise ConfigError(str(self.path), f"not valid YAML: {e}") from e
-        callers = parse_tokens(raw, str(self.path))
+        callers = parse_tokens(raw, str(self.path), self.limits)
         self._mtime = stat.st_mtime
         return callers
 

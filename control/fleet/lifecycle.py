@@ -210,7 +210,13 @@ class ModelLoader:
                     f"model {spec.name}: the tokenizer has {tokenizer.vocab_size} tokens but "
                     f"the model only {info.vocab_size}"
                 )
-            entry = ModelEntry(spec=spec, tokenizer=tokenizer, info=info, workers=clients)
+            entry = ModelEntry(
+                spec=spec,
+                tokenizer=tokenizer,
+                info=info,
+                workers=clients,
+                limit_state=self.registry.limit_state,
+            )
             entry.local = local
             # Still loading (and cleaned up if cancelled) while its index fills.
             await self._sync_kv(entry, clients)

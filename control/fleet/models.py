@@ -13,6 +13,7 @@ from control.config import ModelSpec
 from control.errors import ModelNotFound, NoHealthyWorker
 from control.fleet.admission import Admission
 from control.fleet.local_workers import LocalWorker
+from control.fleet.shared_limits import LimitState
 from control.metrics import ModelMetrics
 from control.routing import IndexedPolicy, Policy, RouteRequest, default_policy, make_policy
 from control.routing.kv_index import KvIndex
@@ -40,6 +41,9 @@ class ModelEntry:
     # A router process: asks the supervisor which worker holds what, now (an adapter
     # loaded since it last looked). None in the supervisor, which knows.
     refresh: Callable[[], Awaitable[None]] | None = None
+    # Where its admission counts live: the service's shared state with `--routers N`
+    # (control/fleet/shared_limits.py); None: its own.
+    limit_state: LimitState | None = None
 
     def __post_init__(self) -> None:
         routing = self.spec.routing or default_policy(self.info.kv_events)
@@ -56,7 +60,11 @@ class ModelEntry:
             w.kv_sink = self.kv_index
         self.metrics = ModelMetrics(self.spec.name)
         self.admission = Admission(
-            self.spec.name, self.spec.max_concurrency, self.spec.max_queue, self.metrics
+            self.spec.name,
+            self.spec.max_concurrency,
+            self.spec.max_queue,
+            self.metrics,
+            self.limit_state,
         )
 
     @property
@@ -110,7 +118,8 @@ class ModelEntry:
 
 
 class ModelRegistry:
-    def __init__(self) -> None:
+    def __init__(self, limit_state: LimitState | None = None) -> None:
+        self.limit_state = limit_state  # for its models' admission (None: each its own)
         self._models: dict[str, ModelEntry] = {}
         self.loading: set[str] = set()  # names whose workers are starting
 

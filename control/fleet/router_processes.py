@@ -9,7 +9,13 @@ supervisor, and follows worker drains from the supervisor's `ListWorkers`. When 
 of models changes (LoadModel, UnloadModel), the supervisor replaces its routers: new
 ones start before the old ones drain and stop.
 
-Admission limits (`limits`) apply per process.
+Limits hold for the whole service, not per process: the supervisor creates a small
+shared file (control/fleet/shared_limits.py) that every process maps, in a private
+temporary directory, and hands its path to its routers in `LIMITS_FILE_ENV`. A token's
+rate buckets and a model's admission counts (`limits`) live there, under a file lock, so
+N processes together admit what one would. Each process's share of the running and
+queued counts is kept apart: when a router exits (or dies, SIGKILL included), the
+supervisor gives back what it still held.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from control.config import ModelSpec, ServeConfig
 from control.config_yaml import dump_config
 from control.fleet.local_workers import LocalWorker
 from control.fleet.models import ModelRegistry
+from control.fleet.shared_limits import LIMITS_FILE_ENV, SharedLimits
 from control.metrics import mark_process_dead, router_env
 
 log = structlog.get_logger(__name__)
@@ -76,6 +83,7 @@ class RouterPool:
         listeners: int = 1,
         metrics_dir: str | None = None,
         internal_token: str | None = None,
+        limits: SharedLimits | None = None,
     ) -> None:
         self.count = count
         # What every router's config shares with the supervisor's: the address it
@@ -87,6 +95,7 @@ class RouterPool:
         # Where the routers write their metrics for the supervisor's endpoint, if it has one.
         self.metrics_dir = metrics_dir
         self.internal_token = internal_token  # the routers' own admin token, if auth is on
+        self.limits = limits  # the limits every process shares
         self._dir = Path(tempfile.mkdtemp(prefix="switchyard-routers-"))
         self._routers: list[LocalWorker] = []
         self._generation = 0
@@ -115,17 +124,22 @@ class RouterPool:
             self._routers = []
 
     def _router_exited(self, pid: int) -> None:
-        """A router died (and may be restarted under a new pid): its gauges leave the
-        sums; its counters stay."""
+        """A router exited (and may be restarted under a new pid): its gauges leave the
+        sums, its counters stay, and the admission slots it still held go back."""
         if self.metrics_dir is not None:
             mark_process_dead(pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+        if self.limits is not None:
+            held = self.limits.reclaim(pid)
+            if any(held.values()):
+                log.warning("admission slots of an exited router given back", pid=pid, **held)
 
     async def _stop(self, routers: list[LocalWorker]) -> None:
+        # Those that exited before were seen by their watch (`_router_exited`).
+        running = [r.proc for r in routers if r.proc is not None and r.proc.returncode is None]
         await asyncio.gather(*(r.stop() for r in routers), return_exceptions=True)
-        if self.metrics_dir is not None:  # their gauges leave the sums; counters stay
-            for router in routers:
-                if router.proc is not None:
-                    mark_process_dead(router.proc.pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+        for proc in running:
+            if proc.returncode is not None:
+                self._router_exited(proc.pid)
 
     async def _spawn(self, models: Sequence[tuple[ModelSpec, Sequence[str]]]) -> list[LocalWorker]:
         self._generation += 1
@@ -143,6 +157,8 @@ class RouterPool:
             env = router_env(self.metrics_dir) if self.metrics_dir is not None else None
             if self.internal_token is not None:
                 env = {**(env or os.environ), INTERNAL_TOKEN_ENV: self.internal_token}
+            if self.limits is not None:
+                env = {**(env or os.environ), LIMITS_FILE_ENV: str(self.limits.path)}
             router = LocalWorker(
                 f"router-{i}", cmd, self.listen, env=env, on_exit=self._router_exited
             )
