@@ -124,18 +124,8 @@ class StreamSession final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       }
       req.last_token = r.tokens.back();
       req.completion_tokens += static_cast<std::int32_t>(r.tokens.size());
-      auto open = open_chunks_.find(attempt);
-      wv1::Chunk* chunk;
-      if (open != open_chunks_.end()) {
-        chunk = pending_.mutable_events(open->second)->mutable_chunk();
-      } else {
-        open_chunks_.emplace(attempt, pending_.events_size());
-        auto* event = pending_.add_events();
-        event->set_attempt_id(attempt);
-        chunk = event->mutable_chunk();
-      }
-      append_chunk(r, chunk);
     }
+    if (req.cadence.add(r)) req.cadence.take(open_chunk_locked(attempt));
     if (r.is_final) {
       auto* event = pending_.add_events();
       event->set_attempt_id(attempt);
@@ -157,7 +147,19 @@ class StreamSession final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     std::optional<TokenId> last_token;
     std::optional<TokenId> end_id;  // the request's, for normalize_end_id
     double first_token_ms = -1;
+    ChunkCadence cadence;  // its tokens held back to its stream_interval
   };
+
+  // The attempt's chunk event in pending_, opened at the end when it has none: an
+  // attempt's consecutive chunks merge until the message is written.
+  wv1::Chunk* open_chunk_locked(AttemptId attempt) {
+    auto open = open_chunks_.find(attempt);
+    if (open != open_chunks_.end()) return pending_.mutable_events(open->second)->mutable_chunk();
+    open_chunks_.emplace(attempt, pending_.events_size());
+    auto* event = pending_.add_events();
+    event->set_attempt_id(attempt);
+    return event->mutable_chunk();
+  }
 
   // Read side only (one OnReadDone at a time), so an attempt is started by one thread.
   void start_request(const wv1::GenerateRequest& request) {
@@ -177,6 +179,7 @@ class StreamSession final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
             {"attempt_id", std::to_string(attempt) + " is already open on this stream"});
       }
       it->second.started = Clock::now();
+      it->second.cadence = ChunkCadence(request.stream_interval());
       live_.fetch_add(1);
     }
     if (draining_.load()) {

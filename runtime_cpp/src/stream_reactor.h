@@ -4,7 +4,8 @@
 // caller assigns (unique on the stream; request_id is for logs only). A message's cancels
 // are handled before its starts, and a start the same message cancels is never started.
 // The dispatcher thread hands each engine response to the session, which folds it into
-// the pending StreamResponse (an attempt's consecutive chunks merge into one event).
+// the pending StreamResponse (an attempt's consecutive chunks merge into one event), its
+// tokens first held back to the attempt's own stream_interval (ChunkCadence, translate.h).
 // Exactly one write is in flight; everything that arrives meanwhile goes out in the next
 // message, so one message carries the news of every request that has some. Cancelling
 // the call cancels every request on it; so does a message that is not a valid

@@ -277,6 +277,25 @@ void append_chunk(const GenResponse& r, wv1::Chunk* chunk) {
   }
 }
 
+bool ChunkCadence::add(const GenResponse& r) {
+  append_chunk(r, &held_);
+  const auto held = static_cast<std::uint32_t>(held_.token_ids_size());
+  if (held == 0) return false;
+  return !sent_any_ || r.is_final || held >= std::max<std::uint32_t>(interval_, 1);
+}
+
+void ChunkCadence::take(wv1::Chunk* chunk) {
+  if (held_.token_ids_size() == 0) return;
+  sent_any_ = true;
+  if (chunk->token_ids_size() == 0 && chunk->logprobs_size() == 0 &&
+      chunk->prompt_logprobs_size() == 0) {
+    chunk->Swap(&held_);  // nothing coalesced yet: no copy
+  } else {
+    chunk->MergeFrom(held_);
+  }
+  held_.Clear();
+}
+
 ::switchyard::v1::FinishReason to_wire(FinishReason reason) {
   using W = ::switchyard::v1::FinishReason;
   switch (reason) {

@@ -2,6 +2,7 @@
 // responses to wire messages. Pure functions, unit-tested without a server.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,27 @@ void normalize_end_id(GenResponse* r, std::optional<TokenId> end_id,
 
 // Appends tokens (and logprobs) of one engine response to a chunk being coalesced.
 void append_chunk(const GenResponse& r, wv1::Chunk* chunk);
+
+// One request's chunks at the cadence of GenerateRequest.stream_interval, whatever the
+// engine: the tokens of the first response with any go out at once; after that tokens
+// (and their logprobs) are held until at least `interval` are unsent, then all go out as
+// one chunk; the final response (an error too) releases whatever is held, so it goes out
+// before the Final. 0 or 1: every response's tokens as they come. Not thread-safe: used
+// under its stream's lock; a cancelled request's held tokens are simply dropped with it.
+class ChunkCadence {
+ public:
+  explicit ChunkCadence(std::uint32_t interval = 0) : interval_(interval) {}
+  // Takes one engine response's tokens (after normalize_end_id); true when tokens are due
+  // now, to be moved out with take().
+  bool add(const GenResponse& r);
+  // Appends the tokens held to `chunk` (the chunk being coalesced) and forgets them.
+  void take(wv1::Chunk* chunk);
+
+ private:
+  std::uint32_t interval_;
+  wv1::Chunk held_;
+  bool sent_any_ = false;
+};
 
 // Fills the final message of a request from its last engine response; `last_token` is the
 // last token the stream carried, `eos_ids` the model's end-of-sequence ids.

@@ -36,6 +36,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
   void start(grpc::CallbackServerContext* ctx, const wv1::GenerateRequest& req,
              const EngineInfo& info, std::shared_ptr<GenerateReactor> self) {
     self_ = std::move(self);
+    cadence_ = ChunkCadence(req.stream_interval());  // before the dispatcher can deliver
     double left_ms = -1;
     auto deadline = ctx->deadline();
     if (deadline != std::chrono::system_clock::time_point::max()) {
@@ -78,7 +79,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
     if (first_token_ms_ < 0 && !r.tokens.empty()) first_token_ms_ = ms_since(started_);
     if (!r.tokens.empty()) last_token_ = r.tokens.back();
     completion_tokens_ += static_cast<std::int32_t>(r.tokens.size());
-    append_chunk(r, pending_.mutable_chunk());
+    if (cadence_.add(r)) cadence_.take(pending_.mutable_chunk());
     if (r.is_final) {
       final_ = std::make_unique<GenResponse>(std::move(r));  // its tokens are in pending_
     }
@@ -180,6 +181,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
   std::atomic<bool> cancel_sent_{false};
 
   std::mutex mu_;
+  ChunkCadence cadence_;           // tokens held back to the request's stream_interval
   wv1::GenerateResponse pending_;  // coalesced tokens not yet written
   wv1::GenerateResponse out_;      // the message being written
   grpc::ByteBuffer out_bytes_;     // out_, serialized: kept until OnWriteDone
@@ -360,6 +362,8 @@ grpc::ServerUnaryReactor* WorkerService::GetInfo(grpc::CallbackServerContext* co
   for (const auto& kind : info_.structured_output) caps->add_structured_output(kind);
   // It takes resume_token_ids; no constraint kind resumes (see translate.cc).
   caps->set_resume_tokens(true);
+  // Chunks at GenerateRequest.stream_interval's cadence, whatever the engine (ChunkCadence).
+  caps->set_stream_interval(true);
   caps->set_lora(info_.lora);
   caps->set_max_loras(static_cast<std::uint32_t>(info_.max_loras));
   caps->set_max_lora_rank(static_cast<std::uint32_t>(info_.max_lora_rank));

@@ -2,7 +2,8 @@
 //
 // Generate: one ServerWriteReactor per stream, exactly one write in flight; tokens that
 // arrive while a write is pending are coalesced into the next message, so a slow client
-// never blocks the engine or other streams. OnCancel cancels the executor request at once;
+// never blocks the engine or other streams; before that, tokens are held back to the
+// request's stream_interval (ChunkCadence). OnCancel cancels the executor request at once;
 // a stream that ends any other way before its request did cancels it too, once.
 //
 // Every method is raw (grpc::ByteBuffer in and out, see wire.h): a request that does not

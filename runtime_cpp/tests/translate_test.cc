@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "translate.h"
 
 namespace switchyard::rt {
@@ -162,6 +164,76 @@ TEST(Translate, ResponsesMapToChunksAndFinals) {
   wv1::Final word;
   fill_final(stop, 4, TokenId{9}, {2, 3}, &word);
   EXPECT_EQ(word.stop_token_id(), 9u);
+}
+
+// Sizes of the chunks a cadence lets out for `steps` (each the token count of one engine
+// response, the last one final), each released chunk written at once.
+std::vector<int> cadence_chunks(std::uint32_t interval, const std::vector<int>& steps) {
+  ChunkCadence cadence(interval);
+  std::vector<int> sizes;
+  TokenId next = 100;
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    GenResponse r;
+    for (int k = 0; k < steps[i]; ++k) r.tokens.push_back(next++);
+    r.is_final = i + 1 == steps.size();
+    if (!cadence.add(r)) continue;
+    wv1::Chunk chunk;
+    cadence.take(&chunk);
+    sizes.push_back(chunk.token_ids_size());
+  }
+  return sizes;
+}
+
+// stream_interval: the first token at once, then a chunk whenever at least N are unsent,
+// the rest before the Final; 0 and 1 change nothing.
+TEST(Translate, ChunkCadenceHoldsTokensToTheStreamInterval) {
+  const std::vector<int> ten(10, 1);
+  EXPECT_EQ(cadence_chunks(4, ten), (std::vector<int>{1, 4, 4, 1}));
+  EXPECT_EQ(cadence_chunks(2, ten), (std::vector<int>{1, 2, 2, 2, 2, 1}));
+  EXPECT_EQ(cadence_chunks(3, ten), (std::vector<int>{1, 3, 3, 3}));
+  EXPECT_EQ(cadence_chunks(0, ten), std::vector<int>(10, 1));
+  EXPECT_EQ(cadence_chunks(1, ten), std::vector<int>(10, 1));
+  EXPECT_EQ(cadence_chunks(100, ten), (std::vector<int>{1, 9}));
+  // All tokens of the first response with any go out at once (an empty one is no first);
+  // a response that brings many tokens releases them all together.
+  EXPECT_EQ(cadence_chunks(4, {0, 3, 1, 1, 6, 2, 0}), (std::vector<int>{3, 8, 2}));
+  // A final without tokens releases what is held; with nothing held there is no chunk.
+  EXPECT_EQ(cadence_chunks(4, {1, 1, 1, 0}), (std::vector<int>{1, 2}));
+  EXPECT_EQ(cadence_chunks(4, {1, 0}), (std::vector<int>{1}));
+  EXPECT_TRUE(cadence_chunks(4, {0, 0}).empty());  // a beam search: the Final alone
+}
+
+// Logprobs stay aligned with their tokens; an error final releases the tokens held; a
+// released chunk is appended to what is being coalesced.
+TEST(Translate, ChunkCadenceKeepsLogprobsAlignedAndReleasesOnAnError) {
+  ChunkCadence cadence(4);
+  wv1::Chunk coalesced;
+  GenResponse first;
+  first.tokens = {7};
+  first.logprobs = {-0.1f};
+  ASSERT_TRUE(cadence.add(first));
+  cadence.take(&coalesced);
+  for (TokenId t : {8, 9}) {
+    GenResponse r;
+    r.tokens = {t};
+    r.logprobs = {-static_cast<float>(t)};
+    EXPECT_FALSE(cadence.add(r));
+  }
+  GenResponse failed;
+  failed.is_final = true;
+  failed.error = "engine fault";
+  ASSERT_TRUE(cadence.add(failed));
+  cadence.take(&coalesced);
+  ASSERT_EQ(coalesced.token_ids_size(), 3);
+  ASSERT_EQ(coalesced.logprobs_size(), 3);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(coalesced.logprobs(i).token_id(), coalesced.token_ids(i));
+  }
+  EXPECT_EQ(coalesced.token_ids(2), 9u);
+  EXPECT_FLOAT_EQ(coalesced.logprobs(2).logprob(), -9.f);
+  wv1::Chunk none;
+  cadence.take(&none);  // nothing held any more
+  EXPECT_EQ(none.token_ids_size(), 0);
 }
 
 // TensorRT-LLM leaves the end id out of its output; the worker streams it as the last token

@@ -7,8 +7,10 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "dispatcher.h"
 #include "sim_executor.h"
@@ -53,6 +55,37 @@ inline bool eventually(const std::function<bool()>& done,
   while (!done()) {
     if (std::chrono::steady_clock::now() >= until) return done();
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+// Every event of a GenerateStream call, by attempt, read until the server ends the call.
+struct StreamLog {
+  std::map<std::uint64_t, std::vector<wv1::StreamEvent>> events;
+  bool ended(std::uint64_t a) const {
+    auto it = events.find(a);
+    return it != events.end() && !it->second.back().has_chunk();
+  }
+  std::size_t tokens(std::uint64_t a) const {
+    std::size_t n = 0;
+    if (auto it = events.find(a); it != events.end()) {
+      for (const auto& e : it->second) n += static_cast<std::size_t>(e.chunk().token_ids_size());
+    }
+    return n;
+  }
+  void add(const wv1::StreamResponse& msg) {
+    for (const auto& e : msg.events()) events[e.attempt_id()].push_back(e);
+  }
+};
+
+using BidiStream = grpc::ClientReaderWriter<wv1::StreamRequest, wv1::StreamResponse>;
+
+// Reads until `done` holds (true) or the stream ends (false).
+inline bool read_until(BidiStream* stream, StreamLog* log, const std::function<bool()>& done) {
+  wv1::StreamResponse msg;
+  while (!done()) {
+    if (!stream->Read(&msg)) return false;
+    log->add(msg);
   }
   return true;
 }
@@ -127,6 +160,16 @@ class WorkerServiceTest : public ::testing::Test {
     auto r = gen(max_tokens, request_id);
     r.set_attempt_id(attempt_id);
     return r;
+  }
+  // A GenerateStream call with `first` started on it, read into `log` until that attempt
+  // has tokens (false: the stream ended first).
+  bool stream_with_tokens(grpc::ClientContext* ctx, const wv1::GenerateRequest& first,
+                          StreamLog* log, std::unique_ptr<BidiStream>* stream) {
+    *stream = stub_->GenerateStream(ctx);
+    wv1::StreamRequest start;
+    *start.add_start() = first;
+    return (*stream)->Write(start) &&
+           read_until(stream->get(), log, [&] { return log->tokens(first.attempt_id()) > 0; });
   }
   int running() {
     wv1::LoadReport r;

@@ -222,37 +222,6 @@ TEST_F(WorkerServiceTest, GenerateStreamBatchesRequestsAndRefusesWhileDraining) 
   EXPECT_TRUE(stream->Finish().ok());
 }
 
-// Every event of a GenerateStream call, by attempt, read until the server ends the call.
-struct StreamLog {
-  std::map<std::uint64_t, std::vector<wv1::StreamEvent>> events;
-  bool ended(std::uint64_t a) const {
-    auto it = events.find(a);
-    return it != events.end() && !it->second.back().has_chunk();
-  }
-  std::size_t tokens(std::uint64_t a) const {
-    std::size_t n = 0;
-    if (auto it = events.find(a); it != events.end()) {
-      for (const auto& e : it->second) n += static_cast<std::size_t>(e.chunk().token_ids_size());
-    }
-    return n;
-  }
-  void add(const wv1::StreamResponse& msg) {
-    for (const auto& e : msg.events()) events[e.attempt_id()].push_back(e);
-  }
-};
-
-using BidiStream = grpc::ClientReaderWriter<wv1::StreamRequest, wv1::StreamResponse>;
-
-// Reads until `done` holds (true) or the stream ends (false).
-bool read_until(BidiStream* stream, StreamLog* log, const std::function<bool()>& done) {
-  wv1::StreamResponse msg;
-  while (!done()) {
-    if (!stream->Read(&msg)) return false;
-    log->add(msg);
-  }
-  return true;
-}
-
 // The same message starts and cancels an attempt, 20 times: none of them reaches the
 // engine or sends anything; 20 fresh attempts with the same request ids then all finish.
 TEST_F(WorkerServiceTest, GenerateStreamStartCancelledInTheSameMessageNeverStarts) {
@@ -297,12 +266,9 @@ TEST_F(WorkerServiceTest, GenerateStreamStartCancelledInTheSameMessageNeverStart
 TEST_F(WorkerServiceTest, GenerateStreamHandlesCancelsBeforeStarts) {
   start(config(500));
   grpc::ClientContext ctx;
-  auto stream = stub_->GenerateStream(&ctx);
-  wv1::StreamRequest first;
-  *first.add_start() = attempt(1, 5000, "same");
-  ASSERT_TRUE(stream->Write(first));
+  std::unique_ptr<BidiStream> stream;
   StreamLog log;
-  ASSERT_TRUE(read_until(stream.get(), &log, [&] { return log.tokens(1) > 0; }));
+  ASSERT_TRUE(stream_with_tokens(&ctx, attempt(1, 5000, "same"), &log, &stream));
   wv1::StreamRequest swap;
   swap.add_cancel(1);
   *swap.add_start() = attempt(2, 10, "same");
@@ -368,12 +334,9 @@ TEST_F(WorkerServiceTest, GenerateStreamRefusesAttemptIdZeroNamingTheField) {
 TEST_F(WorkerServiceTest, GenerateStreamRefusesAnOpenAttemptIdBeforeEnqueueing) {
   start(config(500));
   grpc::ClientContext ctx;
-  auto stream = stub_->GenerateStream(&ctx);
-  wv1::StreamRequest first;
-  *first.add_start() = attempt(7, 200, "a");
-  ASSERT_TRUE(stream->Write(first));
+  std::unique_ptr<BidiStream> stream;
   StreamLog log;
-  ASSERT_TRUE(read_until(stream.get(), &log, [&] { return log.tokens(7) > 0; }));
+  ASSERT_TRUE(stream_with_tokens(&ctx, attempt(7, 200, "a"), &log, &stream));
   wv1::StreamRequest again;
   *again.add_start() = attempt(7, 5, "b");
   ASSERT_TRUE(stream->Write(again));
