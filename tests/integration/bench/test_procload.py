@@ -30,12 +30,13 @@ def test_spread_load_counts_every_token_of_every_process(tmp_path: Path) -> None
 
 def test_the_cpu_proxy_prints_cpu_per_token_for_each_process(tmp_path: Path) -> None:
     """Also with --probe: new requests on fresh connections are timed during the load (it
-    lasts about 8 s: 200 tokens a stream at 50 tokens/s, twice)."""
+    lasts about 8 s a run: 200 tokens a stream at 50 tokens/s, twice); and at a stream
+    interval of 4, where every stream's chunks carry 4 tokens after the first."""
     out = tmp_path / "proxy.json"
     argv = [
         sys.executable, "-m", "bench.cpu.proxy", "--streams", "16", "--rate", "800",
         "--output", "200", "--routers", "1", "--listeners", "2", "--probe",
-        "--json", str(out),
+        "--intervals", "1", "4", "--json", str(out),
     ]  # fmt: skip
     run = subprocess.run(
         argv,
@@ -49,9 +50,15 @@ def test_the_cpu_proxy_prints_cpu_per_token_for_each_process(tmp_path: Path) -> 
     assert [line.split(" | ")[0] for line in lines[1:]] == [
         "| worker (GenerateStream)",
         "| control plane, 1 process, 2 listeners",
+        "| control plane, 1 process, 2 listeners, stream_interval 4",
     ]
     data = json.loads(out.read_text())
-    cp = data["results"][1]
+    cp, cadenced = data["results"][1], data["results"][2]
+    assert cadenced["errors"] == 0
+    # 200 tokens a stream: 1, then 4 a chunk (49 chunks), then the last 3 (or more a
+    # chunk, where a client falls behind and the tokens ready are merged).
+    assert cadenced["tokens_per_message"] >= 3.5, cadenced
+    assert cp["tokens_per_message"] < 2, cp
     assert cp["errors"] == 0
     assert cp["cpu_ms_per_1k_tokens"]["control plane"] > 0
     assert cp["cpu_ms_per_1k_tokens"]["workers"] > 0
