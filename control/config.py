@@ -7,7 +7,8 @@ tracing: {otlp_endpoint: 127.0.0.1:4317}   # OTLP/gRPC; default: OTEL_EXPORTER_O
 tls: {cert: server.pem, key: server.key, client_ca: ca.pem}   # client_ca: mutual TLS
 auth: {tokens_file: tokens.yaml}   # bearer tokens (control/api/auth.py); reloaded on change
 api: {reflection: true, admin: true, max_message_bytes: 67108864, max_metadata_bytes: 16384,
-      request_idle_s: 30, stream_interval: 1}   # stream_interval: tokens per chunk, at least
+      request_idle_s: 30, stream_interval: 1,   # stream_interval: tokens per chunk, at least
+      front: python}   # python (grpc.aio) | native (grpc++ carries the bytes; docs/api.md)
 health: {listen: 0.0.0.0:50052}   # grpc.health.v1 alone, plaintext, for probes (kubelet)
 models:
   - name: tiny
@@ -52,7 +53,11 @@ API_KEYS = {
     "max_metadata_bytes",
     "request_idle_s",
     "stream_interval",
+    "front",
 }
+# api.front: what serves the public port. python: grpc.aio; native: the grpc++ front
+# (control/api/front.py), with the same handlers and every decision still in Python.
+FRONTS = ("python", "native")
 ROUTING_POLICIES = (
     "least_load",
     "prefix_affinity",
@@ -218,6 +223,7 @@ class ServeConfig:
     # How long a call may wait for its request message before DEADLINE_EXCEEDED.
     request_idle_s: float = DEFAULT_REQUEST_IDLE_S
     stream_interval: int = 1  # tokens per streamed chunk, at least (a request may ask more)
+    front: str = "python"  # FRONTS
 
 
 def default_config(listen: str = DEFAULT_LISTEN) -> ServeConfig:
@@ -305,7 +311,15 @@ def parse_config(raw: object) -> ServeConfig:
         ),
         request_idle_s=float(_number(api, "request_idle_s", DEFAULT_REQUEST_IDLE_S, "api")),
         stream_interval=_stream_interval(api),
+        front=_front(api),
     )
+
+
+def _front(api: dict[str, Any]) -> str:
+    value = api.get("front", "python")
+    if value not in FRONTS:
+        raise ConfigError("api.front", f"expected one of {', '.join(FRONTS)}, got {value!r}")
+    return str(value)
 
 
 def _stream_interval(api: dict[str, Any]) -> int:

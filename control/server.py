@@ -37,6 +37,8 @@ from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_
 from control import tracing
 from control.api.admin import AdminServicer
 from control.api.auth import AuthInterceptor, TokenStore
+from control.api.front import HandlerTable, NativeFront
+from control.api.front_lib import FrontLib
 from control.api.generation import GenerationServicer
 from control.config import ModelSpec, ServeConfig, TlsConfig
 from control.fleet.adapters import AdapterManager
@@ -49,7 +51,7 @@ from control.metrics import malformed_request, sample_tasks, scrape_registry
 from control.tracing import endpoint_from_env
 from switchyard_common.health import HealthServicer
 from switchyard_common.ports import bind, check_free
-from switchyard_common.tls import server_credentials
+from switchyard_common.tls import server_credentials, server_pems
 from switchyard_common.wire import Wire
 
 log = structlog.get_logger(__name__)
@@ -86,7 +88,8 @@ class ControlPlane:
         self.registry = ModelRegistry(self.limits)
         self.health = HealthServicer()
         listeners = max(1, listeners)
-        self.shared_port = routers > 1 or router_of is not None or listeners > 1
+        native = config.front == "native"  # one grpc++ server: no listeners of its own
+        self.shared_port = routers > 1 or router_of is not None or (listeners > 1 and not native)
         options = [
             ("grpc.so_reuseport", 1 if self.shared_port else 0),
             ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -105,10 +108,15 @@ class ControlPlane:
         if self.tokens is not None and routers > 1:
             self._internal_token = secrets.token_urlsafe(32)
             self.tokens.add_internal("switchyard-routers", self._internal_token)
+        # api.front: native: the grpc++ front serves the public port, with these handlers.
+        self.native = native
+        self.interceptors = interceptors
+        self.handlers = HandlerTable()
+        self.front: NativeFront | None = None
         self.servers = [
-            grpc.aio.server(options=options, interceptors=interceptors) for _ in range(listeners)
+            grpc.aio.server(options=options, interceptors=interceptors)
+            for _ in range(0 if self.native else listeners)
         ]
-        self.server = self.servers[0]
         # Where the routers reach the supervisor's Admin: loopback, whether or not the
         # public port serves Admin, with the same token checks.
         self._private: grpc.aio.Server | None = None
@@ -153,7 +161,8 @@ class ControlPlane:
         if self.config.admin:
             services.append(ADMIN_SERVICE)
         wire = self.wire
-        for server in self.servers:
+        targets: list[Any] = [*self.servers] if self.servers else [self.handlers]
+        for server in targets:
             wire.add(server, generation_pb2_grpc.add_GenerationServicer_to_server, generation)
             if self.config.admin:
                 wire.add(server, admin_pb2_grpc.add_AdminServicer_to_server, admin)
@@ -176,6 +185,8 @@ class ControlPlane:
             await self._private.start()
         for server in self.servers:
             await server.start()
+        if self.front is not None:
+            self.front.start()
         log.info("listening", address=self.config.listen, health="NOT_SERVING until ready")
         if self.config.metrics_listen and self.router_of is None:
             self._serve_metrics(self.config.metrics_listen)
@@ -188,7 +199,7 @@ class ControlPlane:
                 self.routers,
                 self._router_shared(listen),
                 private,
-                len(self.servers),
+                max(1, len(self.servers)),
                 self._metrics_dir,
                 self._internal_token,
                 self.limits,
@@ -217,8 +228,13 @@ class ControlPlane:
         host, _, port = self.config.listen.rpartition(":")
         if self.shared_port and self.router_of is None and port.isdigit():
             check_free(host, int(port))
+        if self.native:
+            lib = _front_lib(self.config, reuse_port=self.shared_port)
+            self.front = NativeFront(lib, self.handlers.handlers, self.interceptors)
+            self.port = lib.port
+            return
         credentials = _server_credentials(self.config.tls)
-        self.port = bind(self.server, self.config.listen, credentials)
+        self.port = bind(self.servers[0], self.config.listen, credentials)
         for server in self.servers[1:]:
             bind(server, f"{host}:{self.port}", credentials)
 
@@ -332,6 +348,8 @@ class ControlPlane:
             await self.forwarder.close()
         await self.health.enter_graceful_shutdown()
         await asyncio.gather(*(server.stop(grace) for server in self.servers))
+        if self.front is not None:
+            await self.front.stop(grace)
         if self._private is not None:
             await self._private.stop(grace)
         if self._health_server is not None:
@@ -371,6 +389,22 @@ def _server_credentials(tls: TlsConfig | None) -> grpc.ServerCredentials | None:
     if tls is None:
         return None
     return server_credentials(tls.cert, tls.key, tls.client_ca)
+
+
+def _front_lib(config: ServeConfig, reuse_port: bool) -> FrontLib:
+    """The native front on the public port, with its TLS."""
+    pems: tuple[bytes, bytes, bytes | None] = (b"", b"", None)
+    if config.tls is not None:
+        pems = server_pems(config.tls.cert, config.tls.key, config.tls.client_ca)
+    cert, key, ca = pems
+    return FrontLib(
+        config.listen,
+        reuse_port=reuse_port,
+        max_message_bytes=config.max_message_bytes,
+        cert_pem=cert,
+        key_pem=key,
+        client_ca_pem=ca or b"",
+    )
 
 
 async def serve(

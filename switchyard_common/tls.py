@@ -17,15 +17,24 @@ def _read(what: str, path: str | None) -> bytes | None:
         raise OSError(f"{what}: cannot read {path}: {e.strerror}") from e
 
 
+def server_pems(
+    cert: str, key: str, client_ca: str | None = None, what: str = "tls"
+) -> tuple[bytes, bytes, bytes | None]:
+    """The PEM bytes of (`cert`, `key`, `client_ca`); `what` names the setting in errors."""
+    key_pem = _read(f"{what} key", key)
+    cert_pem = _read(f"{what} cert", cert)
+    assert key_pem is not None and cert_pem is not None
+    return cert_pem, key_pem, _read(f"{what} client_ca", client_ca)
+
+
 def server_credentials(
     cert: str, key: str, client_ca: str | None = None, what: str = "tls"
 ) -> grpc.ServerCredentials:
     """TLS with `cert` and `key`; with `client_ca`, mutual TLS (clients must show a
     certificate it signed). `what` names the setting in errors."""
-    pair = (_read(f"{what} key", key), _read(f"{what} cert", cert))
-    ca = _read(f"{what} client_ca", client_ca)
+    cert_pem, key_pem, ca = server_pems(cert, key, client_ca, what)
     return grpc.ssl_server_credentials(
-        [pair],  # type: ignore[list-item]
+        [(key_pem, cert_pem)],
         root_certificates=ca,
         require_client_auth=ca is not None,
     )

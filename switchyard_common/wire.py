@@ -62,9 +62,8 @@ class Wire:
     max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES
     on_malformed: MalformedHook | None = None
 
-    def add(
-        self, server: grpc.aio.Server, register: Callable[[Any, Any], None], servicer: Any
-    ) -> None:
+    def add(self, server: Any, register: Callable[[Any, Any], None], servicer: Any) -> None:
+        """`server`: a grpc.aio server, or anything with its two registration methods."""
         capture = _Capture()
         register(servicer, capture)
         for service, handlers in capture.services.items():
@@ -76,9 +75,9 @@ class Wire:
                 (grpc.method_handlers_generic_handler(service, guarded),)
             )
             # (grpc-stubs predate registered methods)
-            server.add_registered_method_handlers(service, guarded)  # type: ignore[attr-defined]
+            server.add_registered_method_handlers(service, guarded)
 
-    def add_reflection(self, server: grpc.aio.Server, services: Sequence[str]) -> None:
+    def add_reflection(self, server: Any, services: Sequence[str]) -> None:
         """Server reflection (for grpcurl) of `services` and itself."""
         servicer = reflection.aio.ReflectionServicer(  # type: ignore[attr-defined]
             (*services, reflection.SERVICE_NAME)

@@ -11,6 +11,7 @@ every process, CPU milliseconds per 1000 tokens, side by side in one run:
     python -m bench.cpu.proxy --streams 1000 --rate 16000 --routers 1 \
         --listeners 1 16 1 16 --clients 2 --probe  # one process's accept: 1 against 16
     python -m bench.cpu.proxy --streams 200 --rate 6000 --routers 1 --intervals 1 4 16
+    python -m bench.cpu.proxy --streams 1000 --rate 16000 --routers 1 --fronts python native
 
 A change that adds per-token work shows as a larger figure for the control plane. The
 token rate a small machine reaches is printed too: when the control plane cannot keep
@@ -176,22 +177,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"    workers: [{', '.join(sims)}]\n"
             "    limits: {max_concurrency: 100000, max_queue: 100000}\n"
         )
-        runs: list[tuple[int, int, Path | None, int]] = [
-            (r, n, None, i) for r in args.routers for n in args.listeners for i in args.intervals
+        runs: list[tuple[int, int, Path | None, int, str]] = [
+            (r, n, None, i, f)
+            for f in args.fronts
+            for r in args.routers
+            for n in args.listeners
+            for i in args.intervals
         ]
         if args.before:  # the other checkout, with the same router counts
-            runs += [(r, 0, args.before, 1) for r in args.routers]
-        for routers, listeners, cwd, interval in runs:
-            name = f"control-x{routers}-l{listeners}-i{interval}" + ("-before" if cwd else "")
+            runs += [(r, 0, args.before, 1, "python") for r in args.routers]
+        for routers, listeners, cwd, interval, front in runs:
+            name = f"control-x{routers}-l{listeners}-i{interval}-{front}"
+            name += "-before" if cwd else ""
             label = f"control plane, {routers} process{'es' if routers > 1 else ''}"
             if cwd:
                 label += ", before"
-            if listeners:
+            if front == "native":
+                label += ", native front"
+            elif listeners:
                 label += f", {listeners} listener{'s' if listeners > 1 else ''}"
-            settings = ""
+            api = [f"front: {front}"] if front != "python" else []
             if interval > 1:  # the server's floor, so every stream gets it
                 label += f", stream_interval {interval}"
-                settings = f"api: {{stream_interval: {interval}}}\n"
+                api.append(f"stream_interval: {interval}")
+            settings = f"api: {{{', '.join(api)}}}\n" if api else ""
             with systems.control_plane(
                 model_yaml, log_dir, name, routers, cwd, listeners, settings
             ) as (cp, proc):
@@ -310,6 +319,13 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=[1],
         help="api.stream_interval of the control plane, each tried (tokens per chunk)",
+    )
+    p.add_argument(
+        "--fronts",
+        nargs="+",
+        default=["python"],
+        choices=["python", "native"],
+        help="api.front of the control plane, each tried (native: the grpc++ front)",
     )
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", type=int, default=256)

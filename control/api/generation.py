@@ -25,6 +25,7 @@ from control.api.status import abort_rpc, status_code
 from control.errors import Internal, InvalidArgument, StatusError
 from control.fleet.models import ModelEntry, ModelRegistry
 from control.metrics import request_ended
+from control.request.direct import ChunkSink
 from control.request.prepare import prepare
 from control.request.run import Progress
 from control.request.samples import Collected, run_samples
@@ -89,11 +90,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
         self._stream_interval = stream_interval  # tokens per chunk, at least
 
     async def _responses(
-        self, request: generation_pb2.GenerateRequest, context: Context, rpc: str
+        self,
+        request: generation_pb2.GenerateRequest,
+        context: Context,
+        rpc: str,
+        sink: ChunkSink | None = None,
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         """One generation's messages, for Generate (streamed) and Complete (aggregated);
         its errors end the RPC with their status. Each RPC is counted once, by its
-        status code (switchyard_requests_total)."""
+        status code (switchyard_requests_total). `sink`: Generate's stream, when chunks
+        may be written to it directly (control.request.direct)."""
         received = time.perf_counter()
         request_id = _request_id(request)
         entry: ModelEntry | None = None
@@ -114,7 +120,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
                 prepared = await prepare(
                     entry, params, received, context.time_remaining(), self._stream_interval
                 )
-                gen = run_samples(prepared, progress, with_span(span), caller)
+                gen = run_samples(prepared, progress, with_span(span), caller, sink)
                 async with contextlib.aclosing(gen):
                     async for resp in gen:
                         yield resp
@@ -148,7 +154,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        responses = self._responses(request, context, "Generate")
+        # The native front's calls take chunks where they arrive; grpc.aio's do not.
+        sink = context if isinstance(context, ChunkSink) else None
+        responses = self._responses(request, context, "Generate", sink)
         async with contextlib.aclosing(responses):
             async for resp in responses:
                 yield resp

@@ -22,6 +22,7 @@ from switchyard.v1 import common_pb2, generation_pb2
 from switchyard.worker.v1 import worker_pb2
 
 from control.errors import NoHealthyWorker
+from control.request.direct import ChunkSink, DirectChunks
 from control.request.failover import DEFAULT_FAILOVER, Next, client_error, no_worker_left
 from control.request.output import OutputState
 from control.request.prepare import PreparedRequest
@@ -30,6 +31,7 @@ from control.routing import RouteRequest
 from control.tracing import Context, SpanKind, headers_of, tracer
 from control.workers.call import FailureKind, WorkerCallFailed
 from control.workers.client import WorkerClient
+from control.workers.stream import StreamCall
 from switchyard_common.deadlines import budget
 
 log = structlog.get_logger(__name__)
@@ -73,9 +75,14 @@ class Attempts:
     """The worker attempts of one request; fills `output.final` as it goes."""
 
     def __init__(
-        self, prepared: PreparedRequest, output: OutputState, trace: Context | None = None
+        self,
+        prepared: PreparedRequest,
+        output: OutputState,
+        trace: Context | None = None,
+        sink: ChunkSink | None = None,
     ) -> None:
         self.prepared = prepared
+        self.sink = sink  # where chunks may go directly (control.request.direct)
         self.entry = prepared.entry
         self.params = prepared.params
         self.output = output
@@ -218,8 +225,13 @@ class Attempts:
             wreq.stream_interval = interval
         held: worker_pb2.Chunk | None = None  # tokens kept back for the stream's cadence
         call = worker.generate(wreq, timeout, cost_tokens=cost, prompt_tokens=context_len)
+        direct: DirectChunks | None = None
+        if self.sink is not None and interval <= 1 and not p.stop and p.beam_width <= 1:
+            direct = DirectChunks(output, self.sink, metrics.itl, self)
         try:
             async with call as events:
+                source = call.source
+                direct_to = source if isinstance(source, StreamCall) else None
                 async for resp in events:
                     if resumed and not noted:  # the new worker answers: the stream goes on
                         self.final.resumed_after_tokens.append(generated_before)
@@ -251,6 +263,8 @@ class Attempts:
                     if output.stopped:
                         call.cancel()  # the worker aborts the engine request
                         raise _Over
+                    if direct is not None and direct_to is not None:
+                        direct_to.direct = direct  # the next chunks, where they arrive
         except WorkerCallFailed as failure:
             if held is not None:  # the tokens it did generate stand; another continues
                 yield output.push(held)

@@ -26,6 +26,7 @@ from switchyard.v1 import common_pb2, generation_pb2
 from control.fleet.models import ModelEntry
 from control.request.attempts import Attempts
 from control.request.beams import beam_responses
+from control.request.direct import ChunkSink
 from control.request.output import PROMPT_CONTEXT_TOKENS, OutputState
 from control.request.prepare import PreparedRequest
 from control.tracing import Context, tracer
@@ -61,10 +62,12 @@ async def run_generation(
     progress: Progress | None = None,
     trace: Context | None = None,
     budget: TokenBudget | None = None,
+    sink: ChunkSink | None = None,
 ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
-    """`budget`, when given, is charged the prompt plus max_tokens before admission
-    (raising Overloaded beyond its rate) and gets back what was not generated.
-    `progress.over` is set as the last message goes out."""
+    """`sink`: the public stream, when chunks may be written to it directly
+    (control.request.direct). `budget`, when given, is charged the prompt plus
+    max_tokens before admission (raising Overloaded beyond its rate) and gets back what
+    was not generated. `progress.over` is set as the last message goes out."""
     entry, params = prepared.entry, prepared.params
     prompt_tokens = len(prepared.prompt_ids)
     most = prepared.most_tokens
@@ -120,7 +123,7 @@ async def run_generation(
             final,
             entry.metrics.generation_tokens.inc,
         )
-        run = Attempts(prepared, output, trace)
+        run = Attempts(prepared, output, trace, sink)
         final.timing.queue_ms = (time.perf_counter() - received_at) * 1000.0
         async with contextlib.aclosing(run.stream()) as stream:
             async for msg in stream:

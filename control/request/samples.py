@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator
 from opentelemetry.context import Context
 from switchyard.v1 import common_pb2, generation_pb2
 
+from control.request.direct import ChunkSink
 from control.request.prepare import PreparedRequest
 from control.request.run import Progress, TokenBudget, run_generation
 
@@ -32,12 +33,13 @@ async def run_samples(
     progress: Progress,
     trace: Context | None = None,
     budget: TokenBudget | None = None,
+    sink: ChunkSink | None = None,
 ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
-    """`run_generation` for n samples (n = 1 is run_generation itself); `progress.over`
-    is set as the last sample's Final goes out."""
+    """`run_generation` for n samples (n = 1 is run_generation itself, with `sink`);
+    `progress.over` is set as the last sample's Final goes out."""
     n = prepared.params.n
     if n <= 1:
-        gen = run_generation(prepared, progress, trace, budget)
+        gen = run_generation(prepared, progress, trace, budget, sink)
         async with contextlib.aclosing(gen):
             async for msg in gen:
                 yield msg

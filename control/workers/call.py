@@ -178,6 +178,11 @@ class WorkerCall:
     def worker(self) -> WorkerState:
         return self._worker
 
+    @property
+    def source(self) -> EventSource | None:
+        """Where its events come from, once open (a `StreamCall` on a GenerateStream)."""
+        return self._source
+
     async def __aenter__(self) -> AsyncIterator[Any]:
         self._worker.begin_call(self, self._cost, self._prefill)
         try:

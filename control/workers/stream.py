@@ -56,6 +56,7 @@ class StreamCall:
         "_timer",
         "_waiter",
         "attempt_id",
+        "direct",
     )
 
     def __init__(self, session: StreamSession, attempt_id: int) -> None:
@@ -68,6 +69,9 @@ class StreamCall:
         self._finished = False
         self._timer: asyncio.TimerHandle | None = None
         self._buffered = 0  # unread tokens
+        # Takes a chunk where it arrives, in the reader's turn (control.request.direct);
+        # returns False to leave it to the queue. Only while nothing waits in the queue.
+        self.direct: Callable[[Any], bool] | None = None
 
     def __aiter__(self) -> StreamCall:
         return self
@@ -121,6 +125,15 @@ class StreamCall:
     # ---- fed by the session ----------------------------------------------------------
 
     def _push(self, event: Any) -> None:
+        direct = self.direct
+        if direct is not None and not self._events and event.HasField("chunk"):
+            try:
+                if direct(event.chunk):
+                    return
+            except Exception as exc:  # as if the reader had raised it: the request fails
+                self._fail(exc)
+                return
+            self.direct = None
         self._events.append(event)
         if event.HasField("chunk"):
             self._buffered += len(event.chunk.token_ids)
@@ -129,6 +142,7 @@ class StreamCall:
         self._wake()
 
     def _fail(self, exc: BaseException) -> None:
+        self.direct = None
         if not self.done():
             self._failure = exc
             self._end()
@@ -150,6 +164,7 @@ class StreamCall:
 
     def _end(self) -> None:
         self._finished = True
+        self.direct = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -34,17 +34,28 @@ def worker(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         assert code == 0, f"worker exited with {code} on SIGTERM:\n{proc.log_tail()}"
 
 
-@pytest.fixture(scope="session")
-def control(worker: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    """The control plane in front of the session's worker, serving it as model 'tiny'."""
+def _tiny_control(worker: Proc, tmp: Path, settings: str, name: str) -> Iterator[Proc]:
     models = (
         "  - name: tiny\n"
         "    engine: vllm\n"
         f"    model: {ensure_tiny_model()}\n"
         f"    workers: [{worker.address}]\n"
     )
-    with serving_control(tmp_path_factory.mktemp("control"), models, "tiny", name="control") as p:
+    with serving_control(tmp, models, "tiny", settings=settings, name=name) as p:
         yield p
+
+
+@pytest.fixture(scope="session")
+def control(worker: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """The control plane in front of the session's worker, serving it as model 'tiny'."""
+    yield from _tiny_control(worker, tmp_path_factory.mktemp("control"), "", "control")
+
+
+@pytest.fixture(scope="session")
+def native_control(worker: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """`control` on the native front (api.front: native), in front of the same worker."""
+    tmp = tmp_path_factory.mktemp("native-control")
+    yield from _tiny_control(worker, tmp, "api: {front: native}\n", "native")
 
 
 @pytest.fixture(scope="module")

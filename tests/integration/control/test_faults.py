@@ -25,10 +25,10 @@ from tests.procs import Proc, start_process, wait_serving, worker_pid
 FR = common_pb2.FinishReason
 
 
-def serve(tmp: Path, model_yaml: str, name: str = "ctl") -> Proc:
+def serve(tmp: Path, model_yaml: str, name: str = "ctl", front: str = "python") -> Proc:
     port = free_port()
     config = tmp / f"{name}.yaml"
-    config.write_text(f"listen: 127.0.0.1:{port}\nmodels:\n{model_yaml}")
+    config.write_text(f"listen: 127.0.0.1:{port}\napi: {{front: {front}}}\nmodels:\n{model_yaml}")
     proc = start_process(["-m", "control", "serve", "--config", str(config)], port, tmp, name)
     wait_serving(proc, timeout=120)
     return proc
@@ -103,10 +103,11 @@ async def _stream(
     raise AssertionError("stream ended without a final or a status")
 
 
+@pytest.mark.parametrize("front", ["python", "native"])
 async def test_kill_9_mid_stream_resumes_and_the_worker_rejoins(
-    tmp_path: Path, stopping: list[Proc]
+    tmp_path: Path, stopping: list[Proc], front: str
 ) -> None:
-    ctl = serve(tmp_path, sim_model(replicas=2, step=3000))
+    ctl = serve(tmp_path, sim_model(replicas=2, step=3000), front=front)
     stopping.append(ctl)
     async with grpc.aio.insecure_channel(ctl.address) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
@@ -255,8 +256,9 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_worker(
         assert len(spread) >= 3
 
 
-def test_sigterm_drains_in_flight_streams(tmp_path: Path) -> None:
-    ctl = serve(tmp_path, sim_model(replicas=1, step=2000))
+@pytest.mark.parametrize("front", ["python", "native"])
+def test_sigterm_drains_in_flight_streams(tmp_path: Path, front: str) -> None:
+    ctl = serve(tmp_path, sim_model(replicas=1, step=2000), front=front)
     with grpc.insecure_channel(ctl.address) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         health = health_pb2_grpc.HealthStub(ch)

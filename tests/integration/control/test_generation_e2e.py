@@ -21,9 +21,11 @@ pytestmark = pytest.mark.engine
 FR = common_pb2.FinishReason
 
 
-@pytest.fixture(scope="module")
-def stub(control: Proc) -> Iterator[generation_pb2_grpc.GenerationStub]:
-    with grpc.insecure_channel(control.address) as ch:
+@pytest.fixture(scope="module", params=["control", "native_control"])
+def stub(request: pytest.FixtureRequest) -> Iterator[generation_pb2_grpc.GenerationStub]:
+    """The control plane on each api.front, in front of the session's vLLM worker."""
+    proc: Proc = request.getfixturevalue(request.param)
+    with grpc.insecure_channel(proc.address) as ch:
         yield generation_pb2_grpc.GenerationStub(ch)
 
 

@@ -80,9 +80,12 @@ def secured_config(tmp: Path, pki: Pki, tls_extra: str, rest: str) -> tuple[Path
     return tokens, port, config
 
 
-@pytest.fixture(scope="module")
-def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
-    tmp = tmp_path_factory.mktemp("secured")
+@pytest.fixture(scope="module", params=["python", "native"])
+def secured(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Secured]:
+    """The secured control plane, once with each api.front: the same promises on both."""
+    tmp = tmp_path_factory.mktemp(f"secured-{request.param}")
     pki = make_pki(tmp)
     health = f"127.0.0.1:{free_port()}"
     tokens, port, config = secured_config(
@@ -90,7 +93,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
         pki,
         f", client_ca: {pki.ca_file}",
         f"health: {{listen: {health}}}\n"
-        "api: {max_message_bytes: 65536}\n"
+        f"api: {{max_message_bytes: 65536, front: {request.param}}}\n"
         + "models:\n"
         + SIM.format(name="sim")
         + SIM.format(name="sim-b"),

@@ -19,8 +19,11 @@ from tests.procs import Proc, serving_control
 FR = common_pb2.FinishReason
 
 
-@pytest.fixture(scope="module")
-def sim_control(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+@pytest.fixture(scope="module", params=["python", "native"])
+def sim_control(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Proc]:
+    """The control plane on each api.front (grpc.aio, and the native grpc++ front)."""
     models = (
         "  - name: sim-tiny\n"
         "    engine: sim\n"
@@ -28,8 +31,9 @@ def sim_control(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
         "    engine_args: {max_context: 2048, decode_step_us: 1000, max_batch: 512,\n"
         "                  kv_blocks: 100000}\n"
     )
-    tmp = tmp_path_factory.mktemp("sim-control")
-    with serving_control(tmp, models, "sim-tiny", timeout=120) as proc:
+    tmp = tmp_path_factory.mktemp(f"sim-control-{request.param}")
+    settings = f"api: {{front: {request.param}}}\n"
+    with serving_control(tmp, models, "sim-tiny", settings=settings, timeout=120) as proc:
         yield proc
 
 

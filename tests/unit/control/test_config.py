@@ -61,6 +61,7 @@ def test_full_model_spec(tmp_path: Path) -> None:
         ({"models": [model()], "api": {"request_idle_s": 0}}, "api.request_idle_s"),
         ({"models": [model()], "api": {"stream_interval": 0}}, "api.stream_interval"),
         ({"models": [model()], "api": {"stream_interval": 1025}}, "api.stream_interval"),
+        ({"models": [model()], "api": {"front": "rust"}}, "api.front"),
         ({"models": [model()], "tracing": {"otlp_endpoint": "nowhere"}}, "tracing.otlp_endpoint"),
         ({"models": [model(worker_tls={"ca": "/no/ca.pem"})]}, "models[0].worker_tls.ca"),
         ({"models": [model(worker_tls={"cert": __file__})]}, "models[0].worker_tls"),
@@ -236,6 +237,11 @@ def test_the_transport_limits_load_and_a_bad_one_names_its_key(tmp_path: Path) -
     loaded = load_config(config)
     assert (loaded.max_metadata_bytes, loaded.request_idle_s) == (8192, 2.5)
     assert loaded.stream_interval == 4
+    assert loaded.front == "python"  # the default
+    config.write_text(
+        "api: {front: native}\nmodels: [{name: m, engine: sim, model: builtin:tiny}]\n"
+    )
+    assert load_config(config).front == "native"
     config.write_text(
         "api: {max_metadata_bytes: 1.5}\nmodels: [{name: m, engine: sim, model: builtin:tiny}]\n"
     )

@@ -1,0 +1,69 @@
+"""Chunks written where they arrive: the direct path of a streaming request.
+
+A worker's `GenerateStream` message carries one event for each of its requests, and on
+the ordinary path each event wakes its request's task, which hands the chunk up through
+the request's generators (attempts, generation, samples, the RPC handler) to the
+client's stream: a dozen resumptions per token, per request. When the public stream can
+take a message without waiting (`ChunkSink`: the native front's calls can), a request in
+the middle of its stream takes the direct path instead: the session's reader hands each
+chunk to the request's `DirectChunks`, which makes the public chunk (`OutputState.push`,
+the same code) and writes it at once, in the reader's turn. One worker message is then
+processed once for all the requests it carries.
+
+Everything else stays on the task: the first token (routing, failover bookkeeping), the
+Final, errors and failover, stop strings (the stream must then end), a stream cadence
+that holds tokens back, and any chunk that arrives while events wait in the queue or
+while the client's stream is full. Each falls back by declining the chunk, which then
+queues as before, so the order of messages never changes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol, runtime_checkable
+
+from switchyard.v1 import generation_pb2
+from switchyard.worker.v1 import worker_pb2
+
+from control.request.output import OutputState
+
+
+@runtime_checkable
+class ChunkSink(Protocol):
+    """A public stream that can take a message without waiting."""
+
+    def ready(self) -> bool:
+        """Whether `write_now` would not overfill the stream (and it is still open)."""
+        ...
+
+    def write_now(self, message: generation_pb2.GenerateResponse) -> None: ...
+
+
+class TokenClock(Protocol):
+    """When the request's last token arrived (`Attempts`, which times the others)."""
+
+    last_token_at: float
+
+
+class DirectChunks:
+    """One attempt's chunks on the direct path (a `StreamCall.direct` handler)."""
+
+    __slots__ = ("_clock", "_itl", "_output", "_sink")
+
+    def __init__(self, output: OutputState, sink: ChunkSink, itl: Any, clock: TokenClock):
+        self._output = output
+        self._sink = sink
+        self._itl = itl  # the inter-token latency histogram
+        self._clock = clock
+
+    def __call__(self, chunk: worker_pb2.Chunk) -> bool:
+        """Write `chunk`'s public chunk now; False (and nothing done) when it cannot go."""
+        if not self._sink.ready():
+            return False
+        now = time.perf_counter()
+        clock = self._clock
+        if n := len(chunk.token_ids):
+            self._itl.observe((now - clock.last_token_at) / n)
+        clock.last_token_at = now
+        self._sink.write_now(self._output.push(chunk))
+        return True
