@@ -172,7 +172,7 @@ class FrontCall:
         else:
             assert self.serializer is not None
             data = self.serializer(message)
-        self._front.command(self.id).write.message = data
+        self._front.write(self.id, data)
 
     # ---- fed by the front ---------------------------------------------------------------
 
@@ -224,6 +224,8 @@ class NativeFront:
         self._interceptors = tuple(interceptors)
         self._calls: dict[int, FrontCall] = {}
         self._commands = front_pb2.FrontCommands()
+        self._write_calls: list[int] = []  # this turn's writes, in order
+        self._write_messages: list[bytes] = []
         self._flush_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -251,17 +253,27 @@ class NativeFront:
     # ---- commands: one batch per turn of the loop ----------------------------------------
 
     def command(self, call_id: int) -> Any:
+        self._flush_soon()
+        return self._commands.commands.add(call=call_id)
+
+    def write(self, call_id: int, message: bytes) -> None:
+        self._flush_soon()
+        self._write_calls.append(call_id)
+        self._write_messages.append(message)
+
+    def _flush_soon(self) -> None:
         if not self._flush_pending:
             self._flush_pending = True
             assert self._loop is not None
             self._loop.call_soon(self._flush)
-        return self._commands.commands.add(call=call_id)
 
     def _flush(self) -> None:
         self._flush_pending = False
         commands, self._commands = self._commands, front_pb2.FrontCommands()
-        if commands.commands:
-            self._lib.apply(commands.SerializeToString())
+        commands.write_calls.extend(self._write_calls)
+        commands.write_messages.extend(self._write_messages)
+        self._write_calls, self._write_messages = [], []
+        self._lib.apply(commands.SerializeToString())
 
     # ---- events ------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <optional>
@@ -373,6 +374,15 @@ void Front::execute(const std::string& serialized) {
   }
   std::shared_ptr<Call> call;
   std::uint64_t current = 0;
+  const int writes = std::min(commands.write_calls_size(), commands.write_messages_size());
+  for (int i = 0; i < writes; ++i) {
+    if (!call || commands.write_calls(i) != current) {
+      current = commands.write_calls(i);
+      call = find(current);
+    }
+    if (call) call->write(commands.write_messages(i));
+  }
+  call.reset();
   for (const auto& command : commands.commands()) {
     if (!call || command.call() != current) {
       current = command.call();
@@ -380,9 +390,6 @@ void Front::execute(const std::string& serialized) {
     }
     if (!call) continue;  // ended meanwhile
     switch (command.kind_case()) {
-      case v1::FrontCommand::kWrite:
-        call->write(command.write().message());
-        break;
       case v1::FrontCommand::kRead:
         call->read();
         break;
