@@ -5,9 +5,12 @@
 # travel with the call (carry build/cp311-cp311-linux_x86_64/python).
 #   scripts/gpu-bench.sh copy .gpu/pN            # one call per part
 #   scripts/gpu-bench.sh run PHASE [PHASE...]    # fronts | peers | quant | fast | fast2 | saturate
+#                                                # | native | native2 (the native front)
 #                                                # tp: two GPUs, the nvidia-h200-x2 kind
 # Results in $OUT. Optional, carried with the last call: .gpu/tools/py-spy (a static binary,
-# for the profiles of the fast phases).
+# for the profiles of the fast phases), and .gpu/native: the native front
+# (libswitchyard_front.so) with the grpc++ libraries it links, each with RUNPATH $ORIGIN
+# (the machine has no grpc++), for the native phases.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -24,6 +27,9 @@ case "${1:-}" in
     python3 -c 'import vllm, grpc, torch; print("vllm", vllm.__version__, "grpc", grpc.__version__, "torch", torch.__version__, torch.cuda.device_count(), "GPU")'
     out=${OUT:-/tmp/gpu-results}; mkdir -p "$out"
     [ -x "$root/.gpu/tools/py-spy" ] && export SWITCHYARD_PY_SPY="$root/.gpu/tools/py-spy"
+    if [ -f "$root/.gpu/native/libswitchyard_front.so" ]; then
+      export SWITCHYARD_FRONT_LIB="$root/.gpu/native/libswitchyard_front.so"
+    fi
     for phase in "$@"; do
       echo "[gpu-bench] phase $phase" >&2
       # A phase that outruns its time (PHASE_LIMIT_S) is stopped as by Ctrl-C: it stops
