@@ -47,6 +47,7 @@ class Plane:
     port: int
     metrics: str  # host:port of /metrics
     pki: Pki | None = None
+    front: str = "python"  # api.front
 
     def tasks(self) -> int:
         """The control plane's asyncio tasks, as its metrics say (sampled every second)."""
@@ -76,8 +77,10 @@ class Plane:
             assert [m.name for m in out.models] == ["sim"]
 
 
-def start_plane(tmp_path_factory: pytest.TempPathFactory, tls: bool) -> Iterator[Plane]:
-    tmp = tmp_path_factory.mktemp("edge-tls" if tls else "edge")
+def start_plane(
+    tmp_path_factory: pytest.TempPathFactory, tls: bool, front: str = "python"
+) -> Iterator[Plane]:
+    tmp = tmp_path_factory.mktemp(("edge-tls" if tls else "edge") + f"-{front}")
     tokens = tmp / "tokens.yaml"
     tokens.write_text(f"tokens:\n  - {{name: edge, token: {TOKEN}, scopes: [generate, admin]}}\n")
     port, metrics = free_port(), free_port()
@@ -87,25 +90,30 @@ def start_plane(tmp_path_factory: pytest.TempPathFactory, tls: bool) -> Iterator
         f"{tls_line}"
         f"metrics: {{listen: 127.0.0.1:{metrics}}}\n"
         f"auth: {{tokens_file: {tokens}}}\n"
-        f"api: {{max_message_bytes: {MAX_MESSAGE}}}\n"
+        f"api: {{max_message_bytes: {MAX_MESSAGE}, front: {front}}}\n"
     )
     creds = grpc.ssl_channel_credentials(pki.ca) if pki else None
     with serving_control(
         tmp, SIM, settings=settings, port=port, timeout=120, credentials=creds
     ) as proc:
-        plane = Plane(proc, "127.0.0.1", port, f"127.0.0.1:{metrics}", pki)
+        plane = Plane(proc, "127.0.0.1", port, f"127.0.0.1:{metrics}", pki, front)
         _wait(lambda: _serves(plane), "the model to serve")
         yield plane
 
 
-@pytest.fixture(scope="module")
-def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
-    yield from start_plane(tmp_path_factory, tls=False)
+@pytest.fixture(scope="module", params=["python", "native"])
+def plane(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Plane]:
+    """On each api.front: hostile bytes meet grpc.aio, and grpc++ on the native front."""
+    yield from start_plane(tmp_path_factory, tls=False, front=request.param)
 
 
-@pytest.fixture(scope="module")
-def tls_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
-    yield from start_plane(tmp_path_factory, tls=True)
+@pytest.fixture(scope="module", params=["python", "native"])
+def tls_plane(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Plane]:
+    yield from start_plane(tmp_path_factory, tls=True, front=request.param)
 
 
 def _serves(plane: Plane) -> bool:
@@ -219,6 +227,18 @@ KINDS: dict[str, tuple[Attempt, str]] = {
 }
 
 
+# Where the native front's grpc core (Debian's 1.51, which it links) answers otherwise than
+# grpcio's (1.84): a grpc-timeout it cannot parse is dropped, and the call is served with
+# no deadline. Nothing is left behind either way (test_many_bad_attempts_leave_nothing_behind).
+NATIVE_ANSWERS = {"grpc-timeout that does not parse": "OK"}
+
+
+def expected_answer(plane: Plane, kind: str) -> str:
+    if plane.front == "native" and kind in NATIVE_ANSWERS:
+        return NATIVE_ANSWERS[kind]
+    return KINDS[kind][1]
+
+
 def _drop(plane: Plane) -> str:
     socket.create_connection((plane.host, plane.port), timeout=edge.SOCKET_TIMEOUT_S).close()
     return "DROPPED"
@@ -226,7 +246,7 @@ def _drop(plane: Plane) -> str:
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_each_bad_attempt_gets_what_grpc_gives(plane: Plane, kind: str) -> None:
-    attempt, expected = KINDS[kind]
+    attempt, expected = KINDS[kind][0], expected_answer(plane, kind)
     rng = random.Random(kind)
     for _ in range(3):
         assert attempt(plane, rng) == expected
@@ -271,7 +291,7 @@ def test_many_bad_attempts_leave_nothing_behind(
     wrong: Counter[str] = Counter()
     for i in range(count):
         name = names[i % len(names)]
-        attempt, expected = KINDS[name]
+        attempt, expected = KINDS[name][0], expected_answer(plane, name)
         got = attempt(plane, rng)
         seen[got] += 1
         if got != expected:

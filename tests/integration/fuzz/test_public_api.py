@@ -25,8 +25,11 @@ from tests.procs import Proc, serving_control
 IDLE_WITHIN_S = 30.0
 
 
-@pytest.fixture(scope="module")
-def sim_control(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+@pytest.fixture(scope="module", params=["python", "native"])
+def sim_control(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Proc]:
+    """On each api.front."""
     models = (
         "  - name: sim\n"
         "    engine: sim\n"
@@ -35,7 +38,9 @@ def sim_control(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
         "    limits: {max_concurrency: 4, max_queue: 2}\n"
         "    engine_args: {max_context: 2048, decode_step_us: 300}\n"
     )
-    with serving_control(tmp_path_factory.mktemp("fuzz"), models, "sim", timeout=120) as proc:
+    tmp = tmp_path_factory.mktemp(f"fuzz-{request.param}")
+    settings = f"api: {{front: {request.param}}}\n"
+    with serving_control(tmp, models, "sim", settings=settings, timeout=120) as proc:
         yield proc
 
 

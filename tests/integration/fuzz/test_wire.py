@@ -31,16 +31,19 @@ IDLE_S = 2.0  # the sim control plane's api.request_idle_s
 IDLE_WITHIN_S = 30.0
 
 
-@pytest.fixture(scope="module")
-def sim_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+@pytest.fixture(scope="module", params=["python", "native"])
+def sim_plane(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Proc]:
+    """On each api.front."""
     models = (
         "  - name: sim\n"
         "    engine: sim\n"
         "    model: builtin:tiny\n"
         "    engine_args: {max_context: 2048, decode_step_us: 300}\n"
     )
-    settings = f"api: {{request_idle_s: {IDLE_S}}}\n"
-    tmp = tmp_path_factory.mktemp("wire")
+    settings = f"api: {{request_idle_s: {IDLE_S}, front: {request.param}}}\n"
+    tmp = tmp_path_factory.mktemp(f"wire-{request.param}")
     with serving_control(tmp, models, "sim", settings=settings, timeout=120) as proc:
         yield proc
 
