@@ -401,6 +401,9 @@ def _front_lib(config: ServeConfig, reuse_port: bool) -> FrontLib:
         config.listen,
         reuse_port=reuse_port,
         max_message_bytes=config.max_message_bytes,
+        # Room above api.max_metadata_bytes, so that the handlers' own check (Wire) is what
+        # refuses a call over it, with RESOURCE_EXHAUSTED naming the limit.
+        max_metadata_bytes=2 * config.max_metadata_bytes,
         cert_pem=cert,
         key_pem=key,
         client_ca_pem=ca or b"",

@@ -198,6 +198,9 @@ class FrontCall:
             self._reading = False
         else:  # cancelled, deadline_exceeded: the front has ended the call
             self._cancelled = True
+            # Its task may never start (cancelled in the turn that created it): forget the
+            # call here, not only when the task ends.
+            self._front.forget(self.id)
             if kind == "deadline_exceeded":
                 self._deadline = time.monotonic() - 1e-3
             task = self.task
@@ -334,6 +337,9 @@ class NativeFront:
 
     def open_calls(self) -> int:
         return len(self._calls)
+
+    def forget(self, call_id: int) -> None:
+        self._calls.pop(call_id, None)
 
 
 async def _run(handler: Handler, call: FrontCall) -> None:

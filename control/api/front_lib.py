@@ -52,7 +52,8 @@ def _load() -> ctypes.CDLL:
         raise FrontUnavailable(f"cannot load the native front {path}: {e}") from e
     vp, cp, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
     lib.sy_front_start.restype = vp
-    lib.sy_front_start.argtypes = [cp, ctypes.c_int, ctypes.c_int, cp, cp, cp, cp, sz]
+    ci = ctypes.c_int
+    lib.sy_front_start.argtypes = [cp, ci, ci, ci, cp, cp, cp, cp, sz]
     lib.sy_front_port.argtypes = [vp]
     lib.sy_front_event_fd.argtypes = [vp]
     lib.sy_front_open_calls.restype = ctypes.c_long
@@ -70,7 +71,9 @@ def _load() -> ctypes.CDLL:
 
 
 class FrontLib:
-    """One running front: a grpc++ server on `address` (see front.h)."""
+    """One running front: a grpc++ server on `address` (see front.h). grpc core refuses
+    metadata over `max_metadata_bytes` before any handler runs (and its answer, from the
+    grpc core that the library links, may be a reset stream rather than a status)."""
 
     def __init__(
         self,
@@ -78,6 +81,7 @@ class FrontLib:
         *,
         reuse_port: bool,
         max_message_bytes: int,
+        max_metadata_bytes: int,
         cert_pem: bytes = b"",
         key_pem: bytes = b"",
         client_ca_pem: bytes = b"",
@@ -88,6 +92,7 @@ class FrontLib:
             address.encode(),
             int(reuse_port),
             max_message_bytes,
+            max_metadata_bytes,
             cert_pem,
             key_pem,
             client_ca_pem,
@@ -105,6 +110,8 @@ class FrontLib:
     def poll(self) -> bytes:
         """Every event since the last poll (serialized FrontEvents; b"" when none)."""
         lib = self._lib
+        if self._handle is None:  # closed
+            return b""
         lib.sy_front_poll(self._handle, ctypes.byref(self._data), ctypes.byref(self._size))
         if not self._data.value:
             return b""
@@ -115,13 +122,18 @@ class FrontLib:
 
     def apply(self, commands: bytes) -> None:
         """Queue serialized FrontCommands; the front's thread applies them in order."""
-        self._lib.sy_front_apply(self._handle, commands, len(commands))
+        if self._handle is not None:  # else closed: the calls are gone
+            self._lib.sy_front_apply(self._handle, commands, len(commands))
 
     def bad_batches(self) -> int:
         """Command batches that did not parse (a bug of ours: none, ever)."""
+        if self._handle is None:
+            return 0
         return int(self._lib.sy_front_bad_batches(self._handle))
 
     def open_calls(self) -> int:
+        if self._handle is None:
+            return 0
         return int(self._lib.sy_front_open_calls(self._handle))
 
     def shutdown(self, grace_s: float) -> None:

@@ -131,6 +131,7 @@ class StreamCall:
                 if direct(event.chunk):
                     return
             except Exception as exc:  # as if the reader had raised it: the request fails
+                self._session.cancel(self.attempt_id)  # and the worker stops generating
                 self._fail(exc)
                 return
             self.direct = None

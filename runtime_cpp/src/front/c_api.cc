@@ -28,13 +28,14 @@ std::string text(const char* s) { return s == nullptr ? std::string() : std::str
 extern "C" {
 
 SY_EXPORT void* sy_front_start(const char* address, int reuse_port, int max_message_bytes,
-                     const char* cert_pem, const char* key_pem, const char* client_ca_pem,
+                     int max_metadata_bytes, const char* cert_pem, const char* key_pem, const char* client_ca_pem,
                      char* error, std::size_t error_size) {
   try {
     FrontOptions options;
     options.address = text(address);
     options.reuse_port = reuse_port != 0;
     options.max_message_bytes = max_message_bytes;
+    options.max_metadata_bytes = max_metadata_bytes;
     options.cert_pem = text(cert_pem);
     options.key_pem = text(key_pem);
     options.client_ca_pem = text(client_ca_pem);

@@ -58,19 +58,20 @@ class Front::Call : public grpc::ServerGenericBidiReactor {
       entry->set_value(value.data(), value.size());
     }
     if (auto left = deadline_ms(context_->deadline())) started->set_deadline_ms(*left);
-    front_->post(std::move(event));
     {
       std::lock_guard<std::mutex> lock(mu_);
       reading_ = true;
     }
+    // Before Python hears of the call (and can end it): grpc holds the read until this
+    // reactor is bound, and its result comes after the `started` event.
     StartRead(&in_);
+    front_->post(std::move(event));
   }
 
   // ---- Python's commands (the front's command thread) ----------------------------------
 
   void write(const std::string& message) {
     bool start = false;
-    bool full = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (finish_ || dead_) return;
@@ -79,32 +80,41 @@ class Front::Call : public grpc::ServerGenericBidiReactor {
         take_next_locked();
         start = true;
       } else if (!full_ && pending_.size() + 1 >= FULL_WRITES) {
-        full = full_ = true;
+        full_ = true;
+        // Told under the lock, so that `drained` (also told under it) cannot overtake it.
+        tell(&v1::FrontEvent::set_full);
       }
     }
-    if (full) tell(&v1::FrontEvent::set_full);
     if (start) StartWrite(&out_);
   }
 
   void read() {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (reading_ || read_closed_ || finished_) return;
+      if (reading_ || read_closed_ || finish_ || finished_) return;
       reading_ = true;
+      starting_read_ = true;  // no Finish until StartRead has been called
     }
     StartRead(&in_);
+    bool end_now = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      starting_read_ = false;
+      end_now = may_end_locked();
+    }
+    if (end_now) end();
   }
 
   void finish(grpc::Status status, std::vector<std::pair<std::string, std::string>> trailers) {
+    bool end_now = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (finish_ || finished_) return;
       finish_ = std::move(status);
       trailers_ = std::move(trailers);
-      if (writing_) return;  // after the last write goes out
-      finished_ = true;
+      end_now = may_end_locked();  // else after the last write goes out
     }
-    end();
+    if (end_now) end();
   }
 
   // ---- grpc's callbacks ----------------------------------------------------------------
@@ -128,7 +138,6 @@ class Front::Call : public grpc::ServerGenericBidiReactor {
   void OnWriteDone(bool ok) override {
     bool write_next = false;
     bool end_now = false;
-    bool drained = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!ok) {  // the client is gone: nothing more goes out
@@ -141,15 +150,11 @@ class Front::Call : public grpc::ServerGenericBidiReactor {
         write_next = true;
       } else {
         writing_ = false;
-        drained = full_ && ok;
+        if (full_ && ok) tell(&v1::FrontEvent::set_drained);
         full_ = false;
-        if (finish_ && !finished_) {
-          finished_ = true;
-          end_now = true;
-        }
+        end_now = may_end_locked();
       }
     }
-    if (drained) tell(&v1::FrontEvent::set_drained);
     if (write_next) StartWrite(&out_);
     if (end_now) end();
   }
@@ -171,10 +176,7 @@ class Front::Call : public grpc::ServerGenericBidiReactor {
       dead_ = true;
       pending_.clear();
       if (!finish_) finish_ = grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
-      if (!writing_ && !finished_) {
-        finished_ = true;
-        end_now = true;
-      }
+      end_now = may_end_locked();
     }
     if (end_now) end();
   }
@@ -189,6 +191,14 @@ class Front::Call : public grpc::ServerGenericBidiReactor {
     out_ = std::move(pending_.front());
     pending_.pop_front();
     writing_ = true;
+  }
+
+  // Whether the call may Finish now (a finish is asked for, none has been made, and no
+  // write or read start is under way); if so, marks it finished: the caller ends it.
+  bool may_end_locked() {
+    if (!finish_ || finished_ || writing_ || starting_read_) return false;
+    finished_ = true;
+    return true;
   }
 
   void tell(void (v1::FrontEvent::*set)(bool)) {
@@ -217,6 +227,7 @@ class Front::Call : public grpc::ServerGenericBidiReactor {
   bool writing_ = false;
   bool full_ = false;  // said `full`, not yet `drained`
   bool reading_ = false;
+  bool starting_read_ = false;  // read() is between its check and StartRead
   bool read_closed_ = false;
   bool dead_ = false;
   bool finished_ = false;  // Finish called (or about to be)
@@ -254,6 +265,7 @@ Front::Front(const FrontOptions& options) : service_(std::make_unique<Service>(t
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, options.reuse_port ? 1 : 0);
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, options.max_metadata_bytes);
   builder.RegisterCallbackGenericService(service_.get());
   server_ = builder.BuildAndStart();
   if (!server_ || port_ == 0) {

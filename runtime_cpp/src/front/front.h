@@ -34,6 +34,8 @@ struct FrontOptions {
   std::string address;  // host:port; port 0 picks one
   bool reuse_port = false;
   int max_message_bytes = 64 * 1024 * 1024;
+  // grpc core's own limit on a call's metadata (what it refuses before any handler).
+  int max_metadata_bytes = 32 * 1024;
   // TLS when cert_pem is set; with client_ca_pem, clients must show a certificate it signed.
   std::string cert_pem;
   std::string key_pem;

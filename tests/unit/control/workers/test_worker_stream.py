@@ -252,3 +252,47 @@ async def test_a_deadline_beyond_the_wire_limit_means_no_deadline() -> None:
     (start,) = (await wire.next_write()).start
     wire.send(final(start.attempt_id))
     await drain(call)
+
+
+async def test_direct_chunks_go_where_they_arrive_and_a_declined_one_queues_in_order() -> None:
+    wire = ScriptedCall()
+    session = StreamSession(Stub(wire), "w:1")
+    call = session.open(request(), None)
+    (start,) = (await wire.next_write()).start
+    taken: list[list[int]] = []
+    accept = True
+
+    def direct(c: worker_pb2.Chunk) -> bool:
+        if accept:
+            taken.append(list(c.token_ids))
+        return accept
+
+    call.direct = direct
+    wire.send(chunk(start.attempt_id, 1), chunk(start.attempt_id, 2))
+    await wire.delivered_at_least(1)
+    assert taken == [[1], [2]] and call.direct is direct  # nothing queued
+    accept = False  # the client's stream is full: declined, queued, and direct is off
+    wire.send(chunk(start.attempt_id, 3), chunk(start.attempt_id, 4), final(start.attempt_id))
+    events = await drain(call)
+    assert [list(e.chunk.token_ids) for e in events if e.HasField("chunk")] == [[3, 4]]
+    assert events[-1].HasField("final") and call.direct is None and taken == [[1], [2]]
+
+
+async def test_a_direct_chunk_that_raises_fails_its_attempt_and_cancels_it_on_the_worker() -> None:
+    wire = ScriptedCall()
+    session = StreamSession(Stub(wire), "w:1")
+    call = session.open(request(), None)
+    other = session.open(request("other"), None)
+    starts = (await wire.next_write()).start
+    mine, theirs = starts[0].attempt_id, starts[1].attempt_id
+
+    def direct(c: worker_pb2.Chunk) -> bool:
+        raise ValueError("a bug in making the public chunk")
+
+    call.direct = direct
+    wire.send(chunk(mine, 1), chunk(theirs, 5))
+    with pytest.raises(ValueError, match="a bug"):
+        await drain(call)
+    assert list((await wire.next_write()).cancel) == [mine]  # the worker stops generating
+    wire.send(final(theirs))  # the stream and the other attempt go on
+    assert [e.HasField("final") for e in await drain(other)] == [False, True]
