@@ -10,7 +10,7 @@
 # Results in $OUT. Optional, carried with the last call: .gpu/tools/py-spy (a static binary,
 # for the profiles of the fast phases), and .gpu/native: the native front
 # (libswitchyard_front.so) with the grpc++ libraries it links, each with RUNPATH $ORIGIN
-# (the machine has no grpc++), for the native phases.
+# (the machine has no grpc++), for the native phases; scripts/gpu-native-libs.sh makes it.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
