@@ -73,3 +73,16 @@ def test_install_has_the_cpp_worker_and_module() -> None:
     import switchyard_runtime
 
     assert switchyard_runtime.SimExecutor.token_at(1, 2, 3, 100) >= 4
+
+
+def test_install_has_the_native_front() -> None:
+    """`pip install .` puts libswitchyard_front.so in the switchyard package, where
+    `api.front: native` finds it without any setting, and it loads."""
+    import ctypes
+
+    from control.api.front_lib import LIB_ENV, find_library
+
+    assert not os.environ.get(LIB_ENV), f"{LIB_ENV} would hide where the install put it"
+    path = find_library()
+    assert path.parent.name == "_native" and path.parent.parent.name == "switchyard"
+    assert ctypes.CDLL(str(path)).sy_front_start
