@@ -274,10 +274,7 @@ def fronts(model: Path, out: Path) -> dict[str, Any]:
             with profiled(out, {"asyncllm": pid, **_core("asyncllm-core", pid)}, 2.0):
                 asyncllm = beside.run()
             result["asyncllm"] = asyncllm
-            for r in asyncllm:
-                r["label"] = "AsyncLLM in-process"
-                result["runs"].append(r)
-                log.info("run", system="asyncllm", tokens_per_s=round(r["tokens_per_s"]))
+            record_asyncllm(result, asyncllm)
             _save(out, result)
             worker_pids = _pids_named(proc.popen.pid, "pyworker")
             engine = [p for w in worker_pids for p in systems.descendants(w)]
@@ -328,6 +325,14 @@ def fronts(model: Path, out: Path) -> dict[str, Any]:
     finally:
         beside.stop()
     return result
+
+
+def record_asyncllm(result: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    """AsyncLLM's passes among the result's runs, labelled and logged."""
+    for r in runs:
+        r["label"] = "AsyncLLM in-process"
+        result["runs"].append(r)
+        log.info("run", system="asyncllm", tokens_per_s=round(r["tokens_per_s"]))
 
 
 def _save(out: Path, result: dict[str, Any]) -> None:

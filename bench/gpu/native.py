@@ -23,8 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from bench import systems
 from bench.gpu.common import list_workers, run_load
 from bench.gpu.fast import (
@@ -39,10 +37,9 @@ from bench.gpu.fast import (
     _run,
     _save,
     profiled,
+    record_asyncllm,
 )
 from bench.gpu.fronts import ttft_pairs
-
-log = structlog.get_logger(__name__)
 
 NATIVE = "api: {front: native}\n"
 
@@ -61,11 +58,7 @@ def native_fronts(model: Path, out: Path) -> dict[str, Any]:
             )
             result["start_s"] = time.monotonic() - started
             worker = list_workers(cp)[0]["address"]
-            asyncllm = beside.run()
-            for r in asyncllm:
-                r["label"] = "AsyncLLM in-process"
-                result["runs"].append(r)
-                log.info("run", system="asyncllm", tokens_per_s=round(r["tokens_per_s"]))
+            record_asyncllm(result, beside.run())
             _save(out, result)
             worker_pids = _pids_named(proc.popen.pid, "pyworker")
             engine = [p for w in worker_pids for p in systems.descendants(w)]
