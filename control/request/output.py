@@ -52,7 +52,8 @@ class OutputState:
         self._count = count
         self._uncounted = 0
         self._want_logprobs = params.logprobs is not None
-        self._prompt_logprobs_sent = False
+        # Whether the prompt's logprobs may still come (once, in the first chunk that has them).
+        self._prompt_logprobs_due = params.prompt_logprobs is not None
         self._detok = tokenizer.detokenizer(
             list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]), params.skip_special_tokens
         )
@@ -81,9 +82,9 @@ class OutputState:
         public.token_ids.extend(ids)
         if self._want_logprobs:
             self._copy_logprobs(public.logprobs, chunk.logprobs[: len(ids)])
-        if chunk.prompt_logprobs and not self._prompt_logprobs_sent:
+        if self._prompt_logprobs_due and chunk.prompt_logprobs:
             self._copy_logprobs(public.prompt_logprobs, chunk.prompt_logprobs)
-            self._prompt_logprobs_sent = True
+            self._prompt_logprobs_due = False
         self._uncounted += len(ids)
         if self._uncounted >= COUNT_EVERY_TOKENS:
             self.count()

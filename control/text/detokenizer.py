@@ -18,6 +18,7 @@ byte comes), and the streamed text is exactly the whole decode's.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
@@ -46,24 +47,44 @@ class Vocabulary:
     `<0xFF>`; empty otherwise); and, when its decoder only joins the tokens' texts
     (byte-level BPE, SentencePiece), `piece`: a token's text after other text (None for a
     token that is part of a character, a byte token, or a special one). With pieces, a
-    push that follows fully emitted text needs no decode: its text is its pieces'."""
+    push that follows fully emitted text needs no decode: its text is its pieces'.
+    When the decoder is byte-level BPE, `token_bytes`: a token's bytes (None for an added
+    token, which is decoded apart)."""
 
-    __slots__ = ("_cache", "_piece_of", "byte_ids", "special_ids")
+    __slots__ = ("_byte_cache", "_bytes_of", "_cache", "_piece_of", "byte_ids", "special_ids")
 
     def __init__(
         self,
         special_ids: Iterable[int],
         byte_ids: Iterable[int] = (),
         piece_of: Callable[[int], str | None] | None = None,
+        bytes_of: Callable[[int], bytes | None] | None = None,
     ) -> None:
         self.special_ids = frozenset(special_ids)
         self.byte_ids = frozenset(byte_ids)
         self._piece_of = piece_of
+        self._bytes_of = bytes_of
         self._cache: dict[int, str | None] = {}
+        self._byte_cache: dict[int, bytes | None] = {}
 
     @property
     def has_pieces(self) -> bool:
         return self._piece_of is not None
+
+    @property
+    def has_bytes(self) -> bool:
+        return self._bytes_of is not None
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        try:
+            return self._byte_cache[token_id]
+        except KeyError:
+            pass
+        raw = None
+        if self._bytes_of is not None and token_id not in self.special_ids:
+            raw = self._bytes_of(token_id)
+        self._byte_cache[token_id] = raw
+        return raw
 
     def piece(self, token_id: int) -> str | None:
         try:
@@ -100,15 +121,20 @@ class IncrementalDetokenizer:
         self._skipped = vocabulary.special_ids if vocabulary and skip_special_tokens else None
         self._bytes = vocabulary.byte_ids if vocabulary and vocabulary.byte_ids else None
         self._pieces = vocabulary if vocabulary and vocabulary.has_pieces else None
+        self._utf8 = vocabulary if vocabulary and vocabulary.has_bytes else None
+        # Reads the bytes of byte-level tokens pushed after settled text; `_pending` while
+        # it holds the start of a character (the window's decode then ends with it).
+        self._codec = _UTF8(errors="replace") if self._utf8 is not None else None
+        self._pending = False
         # The ids being decoded together: context first, then ids not yet fully emitted.
         self._window: list[int] = self._kept(prompt_ids)[-CONTEXT_TOKENS:] if prompt_ids else []
         # Where the window's trailing run of byte tokens starts (None: it ends in none).
         self._run: int | None = None
         # How many characters of decode(self._window) are context or already emitted.
-        self._done = len(self._decode(self._window))
-        # Whether all of decode(self._window) is emitted (or context), and it is not "":
-        # then the text of tokens with pieces is theirs, appended.
-        self._settled = self._done > 0
+        context = self._decode(self._window)
+        self._done = len(context)
+        # Whether the text of tokens with pieces (or bytes) is theirs, appended (`_whole`).
+        self._settled = _whole(context, self._done)
         self._chunks: list[str] = []
 
     @property
@@ -124,7 +150,16 @@ class IncrementalDetokenizer:
             ids = self._kept(ids)
         if not ids:
             return ""
-        if self._settled and self._pieces is not None:
+        if self._utf8 is not None:
+            if self._settled or self._pending:
+                text = self._joined_bytes(ids)
+                if text is not None:
+                    return text
+                if self._pending:  # its bytes are in the window: the decode below has them
+                    self._pending = False
+                    assert self._codec is not None
+                    self._codec.reset()
+        elif self._settled and self._pieces is not None:
             text = self._joined_pieces(ids)
             if text is not None:
                 return text
@@ -143,7 +178,7 @@ class IncrementalDetokenizer:
         else:
             end = self._done  # an unfinished character: hold everything back
         chunk = self._emit(full, end)
-        self._settled = 0 < self._done == len(full)
+        self._settled = _whole(full, self._done)
         if len(self._window) >= (WINDOW_LIMIT if self._done >= len(full) else FORCE_LIMIT):
             self._cut_window(full)
         return chunk
@@ -161,24 +196,66 @@ class IncrementalDetokenizer:
             if None in parts:
                 return None
             text = "".join(parts)  # type: ignore[arg-type]
-        window = self._window
-        window.extend(ids)
+        self._append(ids, text)
+        self._cut_settled(self._decode)
+        return text
+
+    def _joined_bytes(self, ids: Sequence[int]) -> str | None:
+        """The text of `ids` after settled text (or after bytes the codec holds), when
+        every one has bytes: read by the incremental UTF-8 decoder, no decode call."""
+        assert self._utf8 is not None and self._codec is not None
+        token_bytes = self._utf8.token_bytes
+        if len(ids) == 1:
+            raw = token_bytes(ids[0])
+            if raw is None:
+                return None
+        else:
+            parts = [token_bytes(t) for t in ids]
+            if None in parts:
+                return None
+            raw = b"".join(parts)  # type: ignore[arg-type]
+        codec = self._codec
+        text = codec.decode(raw)
+        self._append(ids, text)
+        self._pending = pending = bool(codec.getstate()[0])
+        self._settled = not pending
+        if not pending:
+            self._cut_settled(self._bytes_text)
+        return text
+
+    def _bytes_text(self, ids: Sequence[int]) -> str:
+        """decode(ids), from the tokens' bytes when all have them."""
+        assert self._utf8 is not None
+        parts = [self._utf8.token_bytes(t) for t in ids]
+        if None in parts:
+            return self._decode(ids)
+        return b"".join(parts).decode(errors="replace")  # type: ignore[arg-type]
+
+    def _append(self, ids: Sequence[int], text: str) -> None:
+        """`ids` join the window, and their `text` is emitted."""
+        self._window.extend(ids)
         self._done += len(text)
         if text:
             self._chunks.append(text)
-        if len(window) >= WINDOW_LIMIT:
-            tail = window[-CONTEXT_TOKENS:]
-            tail_text = self._decode(tail)
+
+    def _cut_settled(self, decode: Callable[[Sequence[int]], str]) -> None:
+        """With all of the window's text emitted: once it is long, keep its last tokens."""
+        if len(self._window) >= WINDOW_LIMIT:
+            tail = self._window[-CONTEXT_TOKENS:]
+            tail_text = decode(tail)
             if tail_text:  # else keep the window: a word after it would lose its space
                 self._window = tail
                 self._done = len(tail_text)
-        return text
 
     def flush(self) -> str:
         """End of stream: return the text still held back.
 
         It ends with U+FFFD if the stream stopped in the middle of a character.
         """
+        if self._pending:  # the decode below ends with the bytes the codec holds
+            self._pending = False
+            assert self._codec is not None
+            self._codec.reset()
         full = self._decode(self._window)
         return self._emit(full, len(full))
 
@@ -190,7 +267,7 @@ class IncrementalDetokenizer:
     def _kept(self, ids: Sequence[int]) -> list[int]:
         skipped = self._skipped
         if not skipped or skipped.isdisjoint(ids):
-            return list(ids)
+            return ids if isinstance(ids, list) else list(ids)  # read, never changed
         return [t for t in ids if t not in skipped]
 
     def _track_run(self, ids: Sequence[int]) -> bool:
@@ -243,7 +320,17 @@ class IncrementalDetokenizer:
             done = len(tail_text)
         self._window = tail
         self._done = done
-        self._settled = 0 < done == len(tail_text)
+        self._settled = _whole(tail_text, done)
+
+
+_UTF8 = codecs.getincrementaldecoder("utf-8")
+
+
+def _whole(text: str, done: int) -> bool:
+    """Whether `text` (a window's decode) is all emitted, is not empty and ends on a whole
+    character: a token's text can then be appended to it (a trailing U+FFFD may still
+    become a character, or an emitted one may have been an unfinished character)."""
+    return 0 < done == len(text) and not text.endswith(REPLACEMENT_CHAR)
 
 
 def _settled_length(text: str) -> int:

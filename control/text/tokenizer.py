@@ -10,7 +10,7 @@ import asyncio
 import json
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
@@ -139,11 +139,12 @@ def _vocabulary(hf: Any, fast: Any) -> Vocabulary:
     byte_ids: list[int] = []
     if '"ByteFallback"' in json.dumps(decoder):
         byte_ids = [i for token, i in fast.get_vocab().items() if _BYTE_TOKEN.fullmatch(token)]
+    added_ids = frozenset(added)
+    bytes_of = _byte_level(fast, added_ids) if _is_byte_level(decoder) else None
     anchor = fast.token_to_id("a")
     if not _joins_texts(decoder) or anchor is None:
-        return Vocabulary(special, byte_ids)
+        return Vocabulary(special, byte_ids, bytes_of=bytes_of)
     anchor_text = fast.decode([anchor], skip_special_tokens=False)
-    added_ids = frozenset(added)
 
     def piece_of(token_id: int) -> str | None:
         if token_id in added_ids:
@@ -153,7 +154,40 @@ def _vocabulary(hf: Any, fast: Any) -> Vocabulary:
             return None  # part of a character (or not a token at all)
         return text[len(anchor_text) :]
 
-    return Vocabulary(special, byte_ids, piece_of)
+    return Vocabulary(special, byte_ids, piece_of, bytes_of)
+
+
+def _is_byte_level(decoder: Any) -> bool:
+    return isinstance(decoder, dict) and decoder.get("type") == "ByteLevel"
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE spells each byte as one printable character: the bytes that are
+    printable Latin-1 as themselves, the other 68 as U+0100 onwards, in byte order."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {chr(b): b for b in kept}
+    others = (b for b in range(256) if b not in chars.values())
+    for n, b in enumerate(others):
+        chars[chr(0x100 + n)] = b
+    return chars
+
+
+def _byte_level(fast: Any, added_ids: frozenset[int]) -> Callable[[int], bytes | None]:
+    """A byte-level BPE token's bytes (None for an added token, or an unknown id)."""
+    alphabet = _byte_alphabet()
+
+    def bytes_of(token_id: int) -> bytes | None:
+        if token_id in added_ids:
+            return None
+        token: str | None = fast.id_to_token(token_id)
+        if token is None:
+            return None
+        try:
+            return bytes(alphabet[c] for c in token)
+        except KeyError:  # not a byte-level spelling
+            return None
+
+    return bytes_of
 
 
 # Decoders whose text for a token sequence is the texts of its tokens joined (past the

@@ -124,9 +124,9 @@ class StreamCall:
 
     # ---- fed by the session ----------------------------------------------------------
 
-    def _push(self, event: Any) -> None:
+    def _push(self, event: Any, is_chunk: bool) -> None:
         direct = self.direct
-        if direct is not None and not self._events and event.HasField("chunk"):
+        if is_chunk and direct is not None and not self._events:
             try:
                 if direct(event.chunk):
                     return
@@ -136,7 +136,7 @@ class StreamCall:
                 return
             self.direct = None
         self._events.append(event)
-        if event.HasField("chunk"):
+        if is_chunk:
             self._buffered += len(event.chunk.token_ids)
         else:  # a final or an error: nothing follows
             self._end()
@@ -276,9 +276,10 @@ class StreamSession:
                     target = calls.get(event.attempt_id)
                     if target is None:
                         continue  # cancelled meanwhile, or a start taken back
-                    if not event.HasField("chunk"):
+                    is_chunk = event.HasField("chunk")
+                    if not is_chunk:
                         del calls[event.attempt_id]
-                    target._push(event)
+                    target._push(event, is_chunk)
                     if target._buffered > self.max_buffered_tokens:
                         behind.append(target)
                 # The whole message is delivered first; then the stream waits (reads no

@@ -290,3 +290,55 @@ def test_whole_words_after_the_first_need_no_decode(control_tok: Tokenizer) -> N
     # One decode per cut of the window (every WINDOW_LIMIT - CONTEXT_TOKENS tokens) and
     # the flush's, not one per token.
     assert counting.calls - calls_before <= 2 + len(ids) // 10 < len(ids)
+
+
+def test_byte_level_tokens_are_their_bytes(control_tok: Tokenizer) -> None:
+    """Each token of the byte-level vocabulary (added ones aside) is its bytes: they read
+    as the token's own decode wherever that decode is whole characters."""
+    vocabulary = control_tok.vocabulary
+    assert vocabulary.has_bytes
+    checked = 0
+    for token_id in range(control_tok.vocab_size):
+        raw = vocabulary.token_bytes(token_id)
+        if token_id in vocabulary.special_ids:
+            assert raw is None
+            continue
+        assert raw, token_id
+        text = control_tok.decode([token_id], False)
+        assert raw.decode(errors="replace") == text
+        checked += 1
+    assert checked >= control_tok.vocab_size - 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(out=st.lists(st.integers(2, 511), min_size=1, max_size=120))
+def test_byte_level_streams_need_no_decode_per_token(
+    control_tok: Tokenizer, out: list[int]
+) -> None:
+    """After a prompt of whole characters, any byte-level ids (characters cut anywhere,
+    invalid bytes) stream as the whole decode with no decode call until the flush."""
+    counting = CountingTokenizer(control_tok)
+    prompt = control_tok.encode("Hello, world!", True)
+    detok = IncrementalDetokenizer(
+        counting, prompt, vocabulary=control_tok.vocabulary, skip_special_tokens=True
+    )
+    calls_before = counting.calls
+    text = "".join(detok.push([t]) for t in out)
+    assert counting.calls == calls_before
+    text += detok.flush()
+    whole = control_tok.decode(prompt[-5:] + out, True)[
+        len(control_tok.decode(prompt[-5:], True)) :
+    ]
+    assert text == whole
+
+
+def test_a_character_the_prompt_began_is_not_read_twice(control_tok: Tokenizer) -> None:
+    """The prompt ends with the first byte of a character and the output brings the
+    rest: its bytes are not read as a new character's."""
+    first, second, third = byte_ids(control_tok._hf, "ൃ")
+    prompt = [*control_tok.encode("Hi", False), first]
+    detok = control_tok.detokenizer(prompt, True)
+    text = detok.push([second]) + detok.push([third]) + detok.push(control_tok.encode(" ok", False))
+    text += detok.flush()
+    whole = control_tok.decode([*prompt, second, third, *control_tok.encode(" ok", False)], True)
+    assert text == whole[len(control_tok.decode(prompt, True)) :] == " ok"
