@@ -25,7 +25,7 @@ from control.api.status import abort_rpc, status_code
 from control.errors import Internal, InvalidArgument, StatusError
 from control.fleet.models import ModelEntry, ModelRegistry
 from control.metrics import request_ended
-from control.request.direct import ChunkSink
+from control.request.direct import ChunkSink, as_chunk_sink
 from control.request.prepare import prepare
 from control.request.run import Progress
 from control.request.samples import Collected, run_samples
@@ -155,7 +155,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):  # type: ignor
         self, request: generation_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         # The native front's calls take chunks where they arrive; grpc.aio's do not.
-        sink = context if isinstance(context, ChunkSink) else None
+        sink = as_chunk_sink(context)
         responses = self._responses(request, context, "Generate", sink)
         async with contextlib.aclosing(responses):
             async for resp in responses:

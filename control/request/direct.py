@@ -20,7 +20,7 @@ queues as before, so the order of messages never changes.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from switchyard.v1 import generation_pb2
 from switchyard.worker.v1 import worker_pb2
@@ -28,7 +28,6 @@ from switchyard.worker.v1 import worker_pb2
 from control.request.output import OutputState
 
 
-@runtime_checkable
 class ChunkSink(Protocol):
     """A public stream that can take a message without waiting."""
 
@@ -37,6 +36,14 @@ class ChunkSink(Protocol):
         ...
 
     def write_now(self, message: generation_pb2.GenerateResponse) -> None: ...
+
+
+def as_chunk_sink(context: Any) -> ChunkSink | None:
+    """`context` when it is a ChunkSink (the native front's calls are), else None. Looked
+    up on its class: `isinstance` against a runtime-checkable protocol walks the
+    protocol's members on every call, once per request."""
+    kind = type(context)
+    return context if hasattr(kind, "write_now") and hasattr(kind, "ready") else None
 
 
 class TokenClock(Protocol):
