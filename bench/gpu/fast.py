@@ -16,6 +16,7 @@ CONNECTIONS channels each.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -245,85 +246,110 @@ class _AsyncLLMBeside:
             self.proc.wait()
 
 
-def fronts(model: Path, out: Path) -> dict[str, Any]:
-    """AsyncLLM in-process (two passes), then, on one worker started by `switchyard
-    serve`, two passes in opposite orders of: the worker called directly, the control
-    plane in one process, router-only control planes (one process with one gRPC
-    listener; 2 and 4 processes), all in front of the same worker. Profiles in the
-    first pass; the second pass profiles the control plane's start of 1000 requests.
-    Every engine gets 0.42 of the GPU's memory (two share it); the KV cache still holds
-    every request."""
+@dataclasses.dataclass
+class Served:
+    """A phase's `switchyard serve` (one worker, 0.42 of the GPU) with AsyncLLM beside it
+    (`served_beside_asyncllm`): the result being filled, the stack later control planes
+    join, and the pids whose CPU every run records."""
+
+    result: dict[str, Any]
+    stack: contextlib.ExitStack
+    logs: Path
+    cp: str
+    proc: systems.Proc
+    beside: _AsyncLLMBeside
+    worker_pids: list[int]
+    base: dict[str, list[int]]  # the worker's and its engine's pids
+
+
+@contextlib.contextmanager
+def served_beside_asyncllm(model: Path, out: Path, label: str, logs: str) -> Iterator[Served]:
+    """`switchyard serve` on the model with AsyncLLM loading beside it (stopped at the
+    end). Every engine gets 0.42 of the GPU's memory (two share it); the KV cache still
+    holds every request."""
     settings = {**FAST_SETTINGS, "gpu_memory_utilization": 0.42}
-    result: dict[str, Any] = {"label": "fast-fronts", "settings": settings, "runs": []}
-    logs = out / "logs-fast"
-    logs.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"label": label, "settings": settings, "runs": []}
+    log_dir = out / logs
+    log_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     beside = _AsyncLLMBeside(model, settings)
     try:
         with contextlib.ExitStack() as stack:
             cp, proc = stack.enter_context(
-                systems.control_plane(_model_yaml("m", model, settings), logs)
+                systems.control_plane(_model_yaml("m", model, settings), log_dir)
             )
             result["start_s"] = time.monotonic() - started
-            workers = list_workers(cp)
-            result["workers_at_start"] = workers
-            worker = workers[0]["address"]
-            # Its own process and its engine core, to set beside the worker's (profiles
-            # from 2 s into its first pass).
-            pid = beside.proc.pid
-            with profiled(out, {"asyncllm": pid, **_core("asyncllm-core", pid)}, 2.0):
-                asyncllm = beside.run()
-            result["asyncllm"] = asyncllm
-            record_asyncllm(result, asyncllm)
-            _save(out, result)
             worker_pids = _pids_named(proc.popen.pid, "pyworker")
             engine = [p for w in worker_pids for p in systems.descendants(w)]
             base = {"worker": worker_pids, "engine": engine}
-            # label -> (target, address, control-plane pids, profile names -> pids)
-            fronts_: dict[str, tuple[str, str, list[int], dict[str, int]]] = {
-                "worker (GenerateStream)": (
-                    "worker-stream", worker, [],
-                    {"worker-direct": worker_pids[0], **_core("worker-core", worker_pids[0])},
-                ),
-                "control plane x1": (
-                    "switchyard", cp, [proc.popen.pid],
-                    {"control": proc.popen.pid, "worker": worker_pids[0]},
-                ),
-            }  # fmt: skip
-            remote = _remote("m", model, [worker])
-            ocp, oproc = stack.enter_context(
-                systems.control_plane(remote, logs, "listener-1", 1, listeners=1)
-            )
-            fronts_["control plane x1, 1 listener"] = ("switchyard", ocp, [oproc.popen.pid], {})
-            for n in ROUTERS:
-                rcp, rproc = stack.enter_context(
-                    systems.control_plane(remote, logs, f"routers-{n}", n)
-                )
-                rpids = [rproc.popen.pid, *systems.descendants(rproc.popen.pid)]
-                fronts_[f"control plane x{n}"] = ("switchyard", rcp, rpids, {})
-            run_load("switchyard", cp, "m", 64, seed=99, processes=2)  # warm-up
-            order = list(fronts_)
-            for passed, labels in enumerate((order, order[::-1])):
-                for label in labels:
-                    target, address, cp_pids, targets = fronts_[label]
-                    cpu = {**base, "control": cp_pids}
-                    delay, seconds = 6.0, PROFILE_S
-                    if passed == 1:
-                        targets = {}
-                        if label == "control plane x1":  # the burst: 1000 requests at once
-                            # from when the clients start sending (the first H200 run
-                            # began at 0.5 s and caught one sample, before any load)
-                            burst = {"control-burst": proc.popen.pid}
-                            targets, delay, seconds = burst, start_delay_s(CLIENTS) + 0.2, 3.0
-                    with profiled(out, targets, delay, seconds):
-                        run = _run(result, label, target, address, cpu, out=out, engines=[worker])
-                    if len(cp_pids) > 1:
-                        run["per_router_cpu_s"] = _per_process_cores(cp_pids)
-                    run["pass"] = passed + 1
-            result["workers_under_load"] = list_workers(cp)
-            _save(out, result)
+            yield Served(result, stack, log_dir, cp, proc, beside, worker_pids, base)
     finally:
         beside.stop()
+
+
+def fronts(model: Path, out: Path) -> dict[str, Any]:
+    """AsyncLLM in-process (two passes), then, on one worker started by `switchyard
+    serve`, two passes in opposite orders of: the worker called directly, the control
+    plane in one process, router-only control planes (one process with one gRPC
+    listener; 2 and 4 processes), all in front of the same worker. Profiles in the
+    first pass; the second pass profiles the control plane's start of 1000 requests."""
+    with served_beside_asyncllm(model, out, "fast-fronts", "logs-fast") as served:
+        result, cp, proc = served.result, served.cp, served.proc
+        worker_pids = served.worker_pids
+        workers = list_workers(cp)
+        result["workers_at_start"] = workers
+        worker = workers[0]["address"]
+        # Its own process and its engine core, to set beside the worker's (profiles
+        # from 2 s into its first pass).
+        pid = served.beside.proc.pid
+        with profiled(out, {"asyncllm": pid, **_core("asyncllm-core", pid)}, 2.0):
+            asyncllm = served.beside.run()
+        result["asyncllm"] = asyncllm
+        record_asyncllm(result, asyncllm)
+        _save(out, result)
+        # label -> (target, address, control-plane pids, profile names -> pids)
+        fronts_: dict[str, tuple[str, str, list[int], dict[str, int]]] = {
+            "worker (GenerateStream)": (
+                "worker-stream", worker, [],
+                {"worker-direct": worker_pids[0], **_core("worker-core", worker_pids[0])},
+            ),
+            "control plane x1": (
+                "switchyard", cp, [proc.popen.pid],
+                {"control": proc.popen.pid, "worker": worker_pids[0]},
+            ),
+        }  # fmt: skip
+        remote = _remote("m", model, [worker])
+        ocp, oproc = served.stack.enter_context(
+            systems.control_plane(remote, served.logs, "listener-1", 1, listeners=1)
+        )
+        fronts_["control plane x1, 1 listener"] = ("switchyard", ocp, [oproc.popen.pid], {})
+        for n in ROUTERS:
+            rcp, rproc = served.stack.enter_context(
+                systems.control_plane(remote, served.logs, f"routers-{n}", n)
+            )
+            rpids = [rproc.popen.pid, *systems.descendants(rproc.popen.pid)]
+            fronts_[f"control plane x{n}"] = ("switchyard", rcp, rpids, {})
+        run_load("switchyard", cp, "m", 64, seed=99, processes=2)  # warm-up
+        order = list(fronts_)
+        for passed, labels in enumerate((order, order[::-1])):
+            for label in labels:
+                target, address, cp_pids, targets = fronts_[label]
+                cpu = {**served.base, "control": cp_pids}
+                delay, seconds = 6.0, PROFILE_S
+                if passed == 1:
+                    targets = {}
+                    if label == "control plane x1":  # the burst: 1000 requests at once
+                        # from when the clients start sending (the first H200 run
+                        # began at 0.5 s and caught one sample, before any load)
+                        burst = {"control-burst": proc.popen.pid}
+                        targets, delay, seconds = burst, start_delay_s(CLIENTS) + 0.2, 3.0
+                with profiled(out, targets, delay, seconds):
+                    run = _run(result, label, target, address, cpu, out=out, engines=[worker])
+                if len(cp_pids) > 1:
+                    run["per_router_cpu_s"] = _per_process_cores(cp_pids)
+                run["pass"] = passed + 1
+        result["workers_under_load"] = list_workers(cp)
+        _save(out, result)
     return result
 
 

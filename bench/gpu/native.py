@@ -18,7 +18,6 @@ WAVES x 1000 requests) as the fast phases.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,17 +26,16 @@ from bench import systems
 from bench.gpu.common import list_workers, run_load
 from bench.gpu.fast import (
     FAST_SETTINGS,
-    _AsyncLLMBeside,
     _both_directly,
     _core,
     _model_yaml,
     _per_process_cores,
-    _pids_named,
     _remote,
     _run,
     _save,
     profiled,
     record_asyncllm,
+    served_beside_asyncllm,
 )
 from bench.gpu.fronts import ttft_pairs
 
@@ -45,59 +43,44 @@ NATIVE = "api: {front: native}\n"
 
 
 def native_fronts(model: Path, out: Path) -> dict[str, Any]:
-    settings = {**FAST_SETTINGS, "gpu_memory_utilization": 0.42}
-    result: dict[str, Any] = {"label": "native-fronts", "settings": settings, "runs": []}
-    logs = out / "logs-native"
-    logs.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    beside = _AsyncLLMBeside(model, settings)
-    try:
-        with contextlib.ExitStack() as stack:
-            cp, proc = stack.enter_context(
-                systems.control_plane(_model_yaml("m", model, settings), logs)
-            )
-            result["start_s"] = time.monotonic() - started
-            worker = list_workers(cp)[0]["address"]
-            record_asyncllm(result, beside.run())
-            _save(out, result)
-            worker_pids = _pids_named(proc.popen.pid, "pyworker")
-            engine = [p for w in worker_pids for p in systems.descendants(w)]
-            base = {"worker": worker_pids, "engine": engine}
-            remote = _remote("m", model, [worker])
-            ncp, nproc = stack.enter_context(
-                systems.control_plane(remote, logs, "native-1", settings=NATIVE)
-            )
-            rcp, rproc = stack.enter_context(
-                systems.control_plane(remote, logs, "native-routers-2", 2, settings=NATIVE)
-            )
-            rpids = [rproc.popen.pid, *systems.descendants(rproc.popen.pid)]
-            # label -> (target, address, control-plane pids, profile names -> pids)
-            fronts: dict[str, tuple[str, str, list[int], dict[str, int]]] = {
-                "worker (GenerateStream)": (
-                    "worker-stream", worker, [], _core("worker-core", worker_pids[0])
-                ),
-                "control plane x1, grpc.aio": (
-                    "switchyard", cp, [proc.popen.pid], {"control-aio": proc.popen.pid}
-                ),
-                "control plane x1, native front": (
-                    "switchyard", ncp, [nproc.popen.pid], {"control-native": nproc.popen.pid}
-                ),
-                "control plane x2, native front": ("switchyard", rcp, rpids, {}),
-            }  # fmt: skip
-            run_load("switchyard", ncp, "m", 64, seed=99, processes=2)  # warm-up
-            order = list(fronts)
-            for passed, labels in enumerate((order, order[::-1])):
-                for label in labels:
-                    target, address, cp_pids, targets = fronts[label]
-                    with profiled(out, targets if passed == 0 else {}):
-                        cpu = {**base, "control": cp_pids}
-                        run = _run(result, label, target, address, cpu, out=out, engines=[worker])
-                    if len(cp_pids) > 1:
-                        run["per_router_cpu_s"] = _per_process_cores(cp_pids)
-                    run["pass"] = passed + 1
-            _save(out, result)
-    finally:
-        beside.stop()
+    with served_beside_asyncllm(model, out, "native-fronts", "logs-native") as served:
+        result, cp, proc = served.result, served.cp, served.proc
+        worker = list_workers(cp)[0]["address"]
+        record_asyncllm(result, served.beside.run())
+        _save(out, result)
+        remote = _remote("m", model, [worker])
+        ncp, nproc = served.stack.enter_context(
+            systems.control_plane(remote, served.logs, "native-1", settings=NATIVE)
+        )
+        rcp, rproc = served.stack.enter_context(
+            systems.control_plane(remote, served.logs, "native-routers-2", 2, settings=NATIVE)
+        )
+        rpids = [rproc.popen.pid, *systems.descendants(rproc.popen.pid)]
+        # label -> (target, address, control-plane pids, profile names -> pids)
+        fronts: dict[str, tuple[str, str, list[int], dict[str, int]]] = {
+            "worker (GenerateStream)": (
+                "worker-stream", worker, [], _core("worker-core", served.worker_pids[0])
+            ),
+            "control plane x1, grpc.aio": (
+                "switchyard", cp, [proc.popen.pid], {"control-aio": proc.popen.pid}
+            ),
+            "control plane x1, native front": (
+                "switchyard", ncp, [nproc.popen.pid], {"control-native": nproc.popen.pid}
+            ),
+            "control plane x2, native front": ("switchyard", rcp, rpids, {}),
+        }  # fmt: skip
+        run_load("switchyard", ncp, "m", 64, seed=99, processes=2)  # warm-up
+        order = list(fronts)
+        for passed, labels in enumerate((order, order[::-1])):
+            for label in labels:
+                target, address, cp_pids, targets = fronts[label]
+                with profiled(out, targets if passed == 0 else {}):
+                    cpu = {**served.base, "control": cp_pids}
+                    run = _run(result, label, target, address, cpu, out=out, engines=[worker])
+                if len(cp_pids) > 1:
+                    run["per_router_cpu_s"] = _per_process_cores(cp_pids)
+                run["pass"] = passed + 1
+        _save(out, result)
     return result
 
 
