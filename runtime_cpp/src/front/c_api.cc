@@ -5,6 +5,7 @@
 #include <cstring>
 #include <exception>
 #include <string>
+#include <string_view>
 
 #include "front/front.h"
 
@@ -20,6 +21,17 @@ void say(char* error, std::size_t size, const char* message) {
 }
 
 std::string text(const char* s) { return s == nullptr ? std::string() : std::string(s); }
+
+// `bytes` into a malloc'd *data (none when empty), for Python to copy and free.
+int hand_out(const std::string& bytes, char** data, std::size_t* size) {
+  *size = bytes.size();
+  *data = nullptr;
+  if (bytes.empty()) return 0;
+  *data = static_cast<char*>(std::malloc(bytes.size()));
+  if (*data == nullptr) return -1;
+  std::memcpy(*data, bytes.data(), bytes.size());
+  return 0;
+}
 
 }  // namespace
 
@@ -57,14 +69,7 @@ SY_EXPORT long sy_front_open_calls(void* front) {
 // Every event since the last poll: *data (free it with sy_front_free) and *size; 0 bytes
 // when there are none.
 SY_EXPORT int sy_front_poll(void* front, char** data, std::size_t* size) {
-  std::string events = static_cast<Front*>(front)->poll();
-  *size = events.size();
-  *data = nullptr;
-  if (events.empty()) return 0;
-  *data = static_cast<char*>(std::malloc(events.size()));
-  if (*data == nullptr) return -1;
-  std::memcpy(*data, events.data(), events.size());
-  return 0;
+  return hand_out(static_cast<Front*>(front)->poll(), data, size);
 }
 
 SY_EXPORT void sy_front_free(char* data) { std::free(data); }
@@ -75,6 +80,49 @@ SY_EXPORT void sy_front_apply(void* front, const char* data, std::size_t size) {
 
 SY_EXPORT unsigned long long sy_front_bad_batches(void* front) {
   return static_cast<Front*>(front)->bad_batches();
+}
+
+// ---- the direct path (direct.h) --------------------------------------------------------
+
+// A vocabulary table's handle, or -1 (the table is cut short).
+SY_EXPORT int sy_front_vocab(void* front, const char* table, std::size_t size) {
+  try {
+    return static_cast<Front*>(front)->add_vocab(std::string_view(table, size));
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+SY_EXPORT int sy_front_direct_start(void* front, unsigned long long stream,
+                                    unsigned long long attempt, unsigned long long call,
+                                    int vocab, const char* pending, std::size_t pending_size,
+                                    double last_token_at) {
+  return static_cast<Front*>(front)->direct_start(stream, attempt, call, vocab,
+                                                  std::string(pending, pending_size),
+                                                  last_token_at)
+             ? 0
+             : -1;
+}
+
+// The attempt's serialized Handback in *data (free it with sy_front_free); 0 bytes when it
+// was not handed over.
+SY_EXPORT int sy_front_direct_stop(void* front, unsigned long long stream,
+                                   unsigned long long attempt, char** data, std::size_t* size) {
+  return hand_out(static_cast<Front*>(front)->direct_stop(stream, attempt), data, size);
+}
+
+// One worker message: the serialized FeedResult in *data (free it with sy_front_free);
+// -1 when the message does not parse.
+SY_EXPORT int sy_front_feed(void* front, unsigned long long stream, const char* raw,
+                            std::size_t size, char** data, std::size_t* out_size) {
+  try {
+    return hand_out(static_cast<Front*>(front)->feed(stream, std::string_view(raw, size)),
+                    data, out_size);
+  } catch (const std::exception&) {
+    *data = nullptr;
+    *out_size = 0;
+    return -1;
+  }
 }
 
 SY_EXPORT void sy_front_shutdown(void* front, double grace_s) {

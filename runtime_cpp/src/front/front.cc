@@ -88,6 +88,13 @@ class Front::Call : public grpc::ServerGenericBidiReactor {
     if (start) StartWrite(&out_);
   }
 
+  // Whether a message written now goes out without the call saying `full` (and it is
+  // still open): the direct path's test before it writes.
+  bool ready() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !finish_ && !dead_ && !full_ && pending_.size() + 1 < FULL_WRITES;
+  }
+
   void read() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -287,26 +294,71 @@ Front::~Front() {
   close(event_fd_);
 }
 
-void Front::apply(std::string serialized) {
+void Front::apply(std::string serialized) { enqueue(Batch{std::move(serialized), {}}); }
+
+void Front::enqueue(Batch batch) {
   {
     std::lock_guard<std::mutex> lock(commands_mu_);
-    commands_.push_back(std::move(serialized));
+    commands_.push_back(std::move(batch));
   }
   commands_cv_.notify_one();
 }
 
 void Front::run_commands() {
-  std::deque<std::string> batch;
+  std::deque<Batch> batches;
   while (true) {
     {
       std::unique_lock<std::mutex> lock(commands_mu_);
       commands_cv_.wait(lock, [this] { return stopping_ || !commands_.empty(); });
       if (commands_.empty()) return;  // stopping, and nothing left to do
-      batch.swap(commands_);
+      batches.swap(commands_);
     }
-    for (const auto& serialized : batch) execute(serialized);
-    batch.clear();
+    for (const auto& batch : batches) {
+      if (batch.writes.empty()) {
+        execute(batch.serialized);
+        continue;
+      }
+      std::shared_ptr<Call> call;
+      std::uint64_t current = 0;
+      for (const auto& [id, message] : batch.writes) {
+        if (!call || id != current) {
+          current = id;
+          call = find(id);
+        }
+        if (call) call->write(message);
+      }
+    }
+    batches.clear();
   }
+}
+
+int Front::add_vocab(std::string_view table) { return direct_.add_vocab(ByteVocab::parse(table)); }
+
+bool Front::direct_start(std::uint64_t stream, std::uint64_t attempt, std::uint64_t call,
+                         int vocab, std::string pending, double last_token_at) {
+  return direct_.start(stream, attempt, call, vocab, std::move(pending), last_token_at);
+}
+
+std::string Front::direct_stop(std::uint64_t stream, std::uint64_t attempt) {
+  v1::Handback handback;
+  if (!direct_.stop(stream, attempt, &handback)) return {};
+  return handback.SerializeAsString();
+}
+
+std::string Front::feed(std::uint64_t stream, std::string_view raw) {
+  const double now =
+      std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  Writes writes;
+  v1::FeedResult result;
+  auto ready = [this](std::uint64_t id) {
+    auto call = find(id);
+    return call != nullptr && call->ready();
+  };
+  if (!direct_.feed(stream, raw, now, ready, writes, &result)) {
+    throw std::invalid_argument("a worker message that does not parse");
+  }
+  if (!writes.empty()) enqueue(Batch{{}, std::move(writes)});
+  return result.SerializeAsString();
 }
 
 void Front::shutdown(double grace_s) {

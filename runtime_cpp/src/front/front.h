@@ -24,8 +24,10 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 
+#include "front/direct.h"
 #include "switchyard/front/v1/front.pb.h"
 
 namespace switchyard::front {
@@ -67,6 +69,18 @@ class Front {
   void shutdown(double grace_s);
   std::size_t open_calls() const;
 
+  // The direct path (direct.h), from Python's thread. A vocabulary table in ByteVocab's
+  // format: its handle (throws std::invalid_argument on a table cut short).
+  int add_vocab(std::string_view table);
+  bool direct_start(std::uint64_t stream, std::uint64_t attempt, std::uint64_t call, int vocab,
+                    std::string pending, double last_token_at);
+  // A serialized Handback; empty when the attempt was not handed over.
+  std::string direct_stop(std::uint64_t stream, std::uint64_t attempt);
+  // One worker message of `stream`: its chunks for handed-over attempts are queued as
+  // writes (for the command thread, in order with Python's commands); returns the
+  // serialized FeedResult. Throws std::invalid_argument when `raw` does not parse.
+  std::string feed(std::uint64_t stream, std::string_view raw);
+
   class Call;
 
  private:
@@ -75,6 +89,12 @@ class Front {
 
   void post(v1::FrontEvent&& event);
   void run_commands();
+  // A batch for the command thread: Python's serialized commands, or the direct path's writes.
+  struct Batch {
+    std::string serialized;
+    Writes writes;
+  };
+  void enqueue(Batch batch);
   void execute(const std::string& serialized);
   void forget(std::uint64_t id);
   grpc::ServerGenericBidiReactor* open(grpc::GenericCallbackServerContext* context);
@@ -91,7 +111,7 @@ class Front {
 
   std::mutex commands_mu_;
   std::condition_variable commands_cv_;
-  std::deque<std::string> commands_;
+  std::deque<Batch> commands_;
   bool stopping_ = false;
   std::atomic<std::uint64_t> bad_batches_{0};
   std::thread commands_thread_;
@@ -99,6 +119,8 @@ class Front {
   mutable std::mutex calls_mu_;
   std::unordered_map<std::uint64_t, std::shared_ptr<Call>> calls_;
   std::once_flag shutdown_once_;
+
+  DirectTable direct_;
 };
 
 }  // namespace switchyard::front
