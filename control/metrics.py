@@ -95,6 +95,11 @@ ITL = Histogram(
     ["model"],
     buckets=ITL_BUCKETS,
 )
+FRONT_DIRECT_TOKENS = Counter(
+    "switchyard_front_direct_tokens",
+    "Streamed tokens whose public chunks the native front made itself from the worker's "
+    "message (api.front: native), with no Python work per token.",
+)
 E2E = Histogram(
     "switchyard_e2e_request_latency_seconds",
     "Time from receiving a request to its Final, in seconds.",

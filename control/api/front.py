@@ -34,6 +34,7 @@ import structlog
 from switchyard.front.v1 import front_pb2
 
 from control.api.front_lib import FrontLib
+from control.text.detokenizer import Vocabulary
 
 log = structlog.get_logger(__name__)
 
@@ -174,6 +175,11 @@ class FrontCall:
             data = self.serializer(message)
         self._front.write(self.id, data)
 
+    def native(self, vocabulary: Vocabulary) -> tuple[FrontLib, int, int] | None:
+        if self._full or self._cancelled:
+            return None
+        return self._front.native_target(self.id, vocabulary)
+
     # ---- fed by the front ---------------------------------------------------------------
 
     def _wait(self) -> Awaitable[None]:
@@ -231,6 +237,11 @@ class NativeFront:
         self._write_messages: list[bytes] = []
         self._flush_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The direct path's vocabularies on the front: their handles, once made (a
+        # table is built in a thread, once per vocabulary: a large one takes a while).
+        self._vocabs: dict[int, int] = {}
+        self._vocabs_building: set[int] = set()
+        self._vocab_keep: list[Vocabulary] = []  # their ids stay theirs
 
     @property
     def port(self) -> int:
@@ -277,6 +288,42 @@ class NativeFront:
         commands.write_messages.extend(self._write_messages)
         self._write_calls, self._write_messages = [], []
         self._lib.apply(commands.SerializeToString())
+
+    # ---- the direct path in C++ (control.request.direct) ---------------------------------
+
+    def native_target(
+        self, call_id: int, vocabulary: Vocabulary
+    ) -> tuple[FrontLib, int, int] | None:
+        """The front, the call and the vocabulary's handle, once the vocabulary is on the
+        front, this turn's commands applied first (the front's chunks come after them)."""
+        handle = self._vocabs.get(id(vocabulary))
+        if handle is None:
+            self._add_vocab(vocabulary)
+            return None
+        if handle < 0:
+            return None
+        if self._flush_pending:
+            self._flush()
+        return self._lib, call_id, handle
+
+    def _add_vocab(self, vocabulary: Vocabulary) -> None:
+        key = id(vocabulary)
+        if key in self._vocabs_building:
+            return
+        self._vocabs_building.add(key)
+        self._vocab_keep.append(vocabulary)
+        assert self._loop is not None
+        table = self._loop.run_in_executor(None, vocabulary.byte_table)
+
+        def done(f: asyncio.Future[bytes]) -> None:
+            self._vocabs_building.discard(key)
+            if f.cancelled() or f.exception() is not None:
+                log.warning("no byte table for the direct path", error=repr(f.exception()))
+                self._vocabs[key] = -1
+                return
+            self._vocabs[key] = self._lib.vocab(f.result())
+
+        table.add_done_callback(done)
 
     # ---- events ------------------------------------------------------------------------
 

@@ -64,6 +64,12 @@ def _load() -> ctypes.CDLL:
     lib.sy_front_apply.argtypes = [vp, cp, sz]
     lib.sy_front_bad_batches.restype = ctypes.c_ulonglong
     lib.sy_front_bad_batches.argtypes = [vp]
+    u64 = ctypes.c_ulonglong
+    data_out, size_out = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(sz)
+    lib.sy_front_vocab.argtypes = [vp, cp, sz]
+    lib.sy_front_direct_start.argtypes = [vp, u64, u64, u64, ci, cp, sz, ctypes.c_double]
+    lib.sy_front_direct_stop.argtypes = [vp, u64, u64, data_out, size_out]
+    lib.sy_front_feed.argtypes = [vp, u64, cp, sz, data_out, size_out]
     lib.sy_front_shutdown.argtypes = [vp, ctypes.c_double]
     lib.sy_front_destroy.argtypes = [vp]
     _lib = lib
@@ -109,16 +115,59 @@ class FrontLib:
 
     def poll(self) -> bytes:
         """Every event since the last poll (serialized FrontEvents; b"" when none)."""
-        lib = self._lib
         if self._handle is None:  # closed
             return b""
-        lib.sy_front_poll(self._handle, ctypes.byref(self._data), ctypes.byref(self._size))
+        self._lib.sy_front_poll(self._handle, ctypes.byref(self._data), ctypes.byref(self._size))
+        return self._taken()
+
+    def _taken(self) -> bytes:
+        """The bytes the library handed out in `_data` (b"" for none), freed."""
         if not self._data.value:
             return b""
         try:
             return ctypes.string_at(self._data.value, self._size.value)
         finally:
-            lib.sy_front_free(self._data)
+            self._lib.sy_front_free(self._data)
+
+    # ---- the direct path (runtime_cpp/src/front/direct.h) ------------------------------
+
+    def vocab(self, table: bytes) -> int:
+        """A vocabulary table's handle (Vocabulary.byte_table's format); -1: refused."""
+        if self._handle is None:
+            return -1
+        return int(self._lib.sy_front_vocab(self._handle, table, len(table)))
+
+    def direct_start(
+        self, stream: int, attempt: int, call: int, vocab: int, pending: bytes, last_at: float
+    ) -> bool:
+        """Hand `attempt` of worker stream `stream` over: its chunks go to `call`."""
+        if self._handle is None:
+            return False
+        rc = self._lib.sy_front_direct_start(
+            self._handle, stream, attempt, call, vocab, pending, len(pending), last_at
+        )
+        return bool(rc == 0)
+
+    def direct_stop(self, stream: int, attempt: int) -> bytes:
+        """Take `attempt` back: its serialized Handback (b"": it was not handed over)."""
+        if self._handle is None:
+            return b""
+        self._lib.sy_front_direct_stop(
+            self._handle, stream, attempt, ctypes.byref(self._data), ctypes.byref(self._size)
+        )
+        return self._taken()
+
+    def feed(self, stream: int, raw: bytes) -> bytes:
+        """One worker message of `stream`: the serialized FeedResult. Raises ValueError
+        when the message does not parse."""
+        if self._handle is None:
+            raise ValueError("the native front is closed")
+        rc = self._lib.sy_front_feed(
+            self._handle, stream, raw, len(raw), ctypes.byref(self._data), ctypes.byref(self._size)
+        )
+        if rc != 0:
+            raise ValueError("a worker message that does not parse")
+        return self._taken()
 
     def apply(self, commands: bytes) -> None:
         """Queue serialized FrontCommands; the front's thread applies them in order."""

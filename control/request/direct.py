@@ -15,17 +15,25 @@ Final, errors and failover, stop strings (the stream must then end), a stream ca
 that holds tokens back, and any chunk that arrives while events wait in the queue or
 while the client's stream is full. Each falls back by declining the chunk, which then
 queues as before, so the order of messages never changes.
+
+On the native front a request goes further once its chunks are plain (text that is
+its tokens' bytes, as byte-level BPE spells them; no logprobs, no stop strings): it is
+handed over (`handover`), and the front makes its chunks from the worker's message in
+C++ (runtime_cpp/src/front/direct.h), until it hands the request back with the tokens
+it wrote (`adopt`), before the first event it leaves to Python.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from switchyard.v1 import generation_pb2
 from switchyard.worker.v1 import worker_pb2
 
 from control.request.output import OutputState
+from control.workers.stream import Handover, NativeFeed
 
 
 class ChunkSink(Protocol):
@@ -36,6 +44,12 @@ class ChunkSink(Protocol):
         ...
 
     def write_now(self, message: generation_pb2.GenerateResponse) -> None: ...
+
+    def native(self, vocabulary: Any) -> tuple[NativeFeed, int, int] | None:
+        """Where the native front can write this call's chunks itself, its messages so
+        far sent first: (the front, the call's id there, the vocabulary's handle there);
+        None when it cannot (yet)."""
+        ...
 
 
 def as_chunk_sink(context: Any) -> ChunkSink | None:
@@ -55,13 +69,14 @@ class TokenClock(Protocol):
 class DirectChunks:
     """One attempt's chunks on the direct path (a `StreamCall.direct` handler)."""
 
-    __slots__ = ("_clock", "_itl", "_output", "_sink")
+    __slots__ = ("_clock", "_itl", "_output", "_plain", "_sink")
 
     def __init__(self, output: OutputState, sink: ChunkSink, itl: Any, clock: TokenClock):
         self._output = output
         self._sink = sink
         self._itl = itl  # the inter-token latency histogram
         self._clock = clock
+        self._plain = output.may_be_plain()  # whether `handover` can ever say yes
 
     def __call__(self, chunk: worker_pb2.Chunk) -> bool:
         """Write `chunk`'s public chunk now; False (and nothing done) when it cannot go."""
@@ -74,3 +89,23 @@ class DirectChunks:
         clock.last_token_at = now
         self._sink.write_now(self._output.push(chunk))
         return True
+
+    def handover(self) -> Handover | None:
+        """What the native front needs to make the next chunks itself, when it can now."""
+        if not self._plain:
+            return None
+        output = self._output
+        pending = output.plain_bytes()
+        if pending is None:
+            return None
+        target = self._sink.native(output.vocabulary)
+        if target is None:
+            return None
+        feed, call, vocab = target
+        return Handover(feed, call, vocab, pending, self._clock.last_token_at, self._itl.observe)
+
+    def adopt(self, token_ids: Sequence[int], last_token_at: float) -> None:
+        """The tokens the native front wrote while it had the request."""
+        if token_ids:
+            self._output.adopt(token_ids)
+            self._clock.last_token_at = last_token_at

@@ -11,6 +11,7 @@ transport: it is tested with plain token ids (tests/unit/control/request/test_ou
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from switchyard.v1 import common_pb2, generation_pb2
@@ -89,6 +90,36 @@ class OutputState:
         if self._uncounted >= COUNT_EVERY_TOKENS:
             self.count()
         return out
+
+    # ---- the native direct path (control.request.direct) -----------------------------
+
+    @property
+    def vocabulary(self) -> Any:
+        return self._tokenizer.vocabulary
+
+    def may_be_plain(self) -> bool:
+        """Whether its chunks can ever be plain: text that is the tokens' bytes (a
+        byte-level vocabulary), and nothing else to add (logprobs, stop strings)."""
+        return (
+            self._matcher is None
+            and not self._want_logprobs
+            and self._params.prompt_logprobs is None
+            and self._tokenizer.vocabulary.has_bytes
+        )
+
+    def plain_bytes(self) -> bytes | None:
+        """When the next tokens' text is their bytes read on from the text so far: the
+        bytes of an unfinished character held back (b"" for none); None otherwise."""
+        return self._detok.held_bytes()
+
+    def adopt(self, ids: Sequence[int]) -> None:
+        """Tokens whose plain chunks were written elsewhere (after `plain_bytes`): the
+        state becomes what pushing them here would have made it."""
+        self.generated.extend(ids)
+        self._detok.adopt(ids)
+        self._uncounted += len(ids)
+        if self._uncounted >= COUNT_EVERY_TOKENS:
+            self.count()
 
     def take_final(self, wf: worker_pb2.Final) -> None:
         """The worker's Final: why it stopped, and the prompt tokens it found cached."""

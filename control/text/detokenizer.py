@@ -19,10 +19,12 @@ byte comes), and the streamed text is exactly the whole decode's.
 from __future__ import annotations
 
 import codecs
+import struct
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
+_NO_BYTES = struct.pack("<i", -1)
 # Tokens of already-decoded text kept in front of new ones (prompt tail, or output).
 CONTEXT_TOKENS = 5
 # Cut the window back to CONTEXT_TOKENS once it is this long and fully emitted.
@@ -51,7 +53,16 @@ class Vocabulary:
     When the decoder is byte-level BPE, `token_bytes`: a token's bytes (None for an added
     token, which is decoded apart)."""
 
-    __slots__ = ("_byte_cache", "_bytes_of", "_cache", "_piece_of", "byte_ids", "special_ids")
+    __slots__ = (
+        "_byte_cache",
+        "_bytes_of",
+        "_cache",
+        "_piece_of",
+        "_table",
+        "byte_ids",
+        "size",
+        "special_ids",
+    )
 
     def __init__(
         self,
@@ -59,13 +70,16 @@ class Vocabulary:
         byte_ids: Iterable[int] = (),
         piece_of: Callable[[int], str | None] | None = None,
         bytes_of: Callable[[int], bytes | None] | None = None,
+        size: int = 0,
     ) -> None:
         self.special_ids = frozenset(special_ids)
+        self.size = size  # how many ids it has (the tokenizer's length), when known
         self.byte_ids = frozenset(byte_ids)
         self._piece_of = piece_of
         self._bytes_of = bytes_of
         self._cache: dict[int, str | None] = {}
         self._byte_cache: dict[int, bytes | None] = {}
+        self._table: bytes | None = None
 
     @property
     def has_pieces(self) -> bool:
@@ -85,6 +99,18 @@ class Vocabulary:
             raw = self._bytes_of(token_id)
         self._byte_cache[token_id] = raw
         return raw
+
+    def byte_table(self) -> bytes:
+        """Every token's bytes (`token_bytes`) for ids below `size`, for the native front's
+        direct path (runtime_cpp/src/front/direct.h): per id a little-endian int32 length,
+        -1 for none, then the bytes. Made once."""
+        if self._table is None:
+            parts = []
+            for token_id in range(self.size):
+                raw = self.token_bytes(token_id)
+                parts.append(_NO_BYTES if raw is None else struct.pack("<i", len(raw)) + raw)
+            self._table = b"".join(parts)
+        return self._table
 
     def piece(self, token_id: int) -> str | None:
         try:
@@ -182,6 +208,22 @@ class IncrementalDetokenizer:
         if len(self._window) >= (WINDOW_LIMIT if self._done >= len(full) else FORCE_LIMIT):
             self._cut_window(full)
         return chunk
+
+    def held_bytes(self) -> bytes | None:
+        """When the next tokens' text is their bytes read on from what is emitted (the
+        path `push` takes for tokens that all have bytes): the bytes of an unfinished
+        character held so far (b"" for none). None otherwise. Whoever reads tokens on from
+        here must give them back to `adopt` before the next `push`."""
+        if self._codec is None or not (self._settled or self._pending):
+            return None
+        held: bytes = self._codec.getstate()[0]
+        return held
+
+    def adopt(self, ids: Sequence[int]) -> None:
+        """Tokens whose text was read on from `held_bytes` elsewhere (and emitted there):
+        the state becomes what pushing them here would have made it."""
+        if ids and self._joined_bytes(ids) is None:
+            raise ValueError("adopted tokens must all have bytes")
 
     def _joined_pieces(self, ids: Sequence[int]) -> str | None:
         """The text of `ids` after settled text, when every one has a piece (no decode)."""

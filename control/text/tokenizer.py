@@ -143,7 +143,7 @@ def _vocabulary(hf: Any, fast: Any) -> Vocabulary:
     bytes_of = _byte_level(fast, added_ids) if _is_byte_level(decoder) else None
     anchor = fast.token_to_id("a")
     if not _joins_texts(decoder) or anchor is None:
-        return Vocabulary(special, byte_ids, bytes_of=bytes_of)
+        return Vocabulary(special, byte_ids, bytes_of=bytes_of, size=len(hf))
     anchor_text = fast.decode([anchor], skip_special_tokens=False)
 
     def piece_of(token_id: int) -> str | None:
@@ -154,7 +154,7 @@ def _vocabulary(hf: Any, fast: Any) -> Vocabulary:
             return None  # part of a character (or not a token at all)
         return text[len(anchor_text) :]
 
-    return Vocabulary(special, byte_ids, piece_of, bytes_of)
+    return Vocabulary(special, byte_ids, piece_of, bytes_of, size=len(hf))
 
 
 def _is_byte_level(decoder: Any) -> bool:

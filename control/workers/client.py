@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import grpc
 import structlog
@@ -101,10 +102,23 @@ class WorkerClient(WorkerState):
         if self.worker_stream and self.info and self.info.generate_stream:
             if self._stream is None:
                 self._stream = StreamSession(
-                    self.stub, self.address, on_break=self.breaker.record_failure
+                    self.stub,
+                    self.address,
+                    on_break=self.breaker.record_failure,
+                    raw_stream=self._raw_generate_stream,
                 )
             return self._stream
         return self._unary
+
+    def _raw_generate_stream(self) -> Any:
+        """GenerateStream with the worker's messages as bytes (StreamSession parses them:
+        the native front's direct path reads them first)."""
+        method = self.channel.stream_stream(
+            "/switchyard.worker.v1.Worker/GenerateStream",
+            request_serializer=worker_pb2.StreamRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        return method()  # type: ignore[call-arg]  # grpc.aio: requests are written
 
     async def check_serving(self, timeout: float = 2.0) -> bool:
         try:

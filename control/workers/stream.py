@@ -17,6 +17,13 @@ reader falls further behind, the session stops reading the stream (HTTP/2 flow c
 then holds the worker's writes, and the worker merges its tokens into fewer messages)
 until that reader catches up, for at most `slow_reader_grace_s`; after that the attempt
 is cancelled on the worker and fails with SLOW_READER, and the stream reads on.
+
+The native direct path: when the session reads the worker's messages as bytes (`raw`)
+and an attempt's direct handler hands it over (`DirectHandler.handover`: the native
+front can make its next chunks itself), each message goes through the front first
+(`NativeFeed.feed`), which writes the chunks of the attempts handed over and returns the
+rest. An attempt comes back, with the tokens the front wrote (`adopt`), before any event
+of it that the front leaves to Python, and when it ends here (cancel, failure).
 """
 
 from __future__ import annotations
@@ -25,13 +32,16 @@ import asyncio
 import contextlib
 import itertools
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import grpc
 import structlog
+from switchyard.front.v1 import front_pb2
 from switchyard.worker.v1 import worker_pb2
 
+from control.metrics import FRONT_DIRECT_TOKENS
 from control.workers.call import FailureKind, WorkerCallFailed
 from switchyard_common.rpc_status import FieldViolation
 
@@ -41,6 +51,47 @@ _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 MAX_BUFFERED_TOKENS = 8192
 SLOW_READER_GRACE_S = 10.0
 MAX_TIMEOUT_MS = 2**32 - 1  # GenerateRequest.timeout_ms is a uint32
+_session_ids = itertools.count(1)  # a session's id on the native front (never reused)
+
+
+class NativeFeed(Protocol):
+    """The native front's direct path (control.api.front_lib.FrontLib)."""
+
+    def direct_start(
+        self, stream: int, attempt: int, call: int, vocab: int, pending: bytes, last_at: float
+    ) -> bool: ...
+
+    def direct_stop(self, stream: int, attempt: int) -> bytes: ...
+
+    def feed(self, stream: int, raw: bytes) -> bytes: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Handover:
+    """What the native front needs to make an attempt's next chunks itself."""
+
+    feed: NativeFeed
+    call: int  # the public call's id on the front
+    vocab: int  # the vocabulary's handle on the front
+    pending: bytes  # the start of a character not finished yet
+    last_token_at: float  # time.perf_counter() of the last token
+    observe_itl: Callable[[float], None]  # the inter-token latency histogram
+
+
+class DirectHandler(Protocol):
+    """Takes an attempt's chunks where they arrive (control.request.direct.DirectChunks)."""
+
+    def __call__(self, chunk: Any) -> bool:
+        """Write the chunk's public chunk now; False (nothing done) to leave it queued."""
+        ...
+
+    def handover(self) -> Handover | None:
+        """When the native front can make the next chunks: what it needs."""
+        ...
+
+    def adopt(self, token_ids: Sequence[int], last_token_at: float) -> None:
+        """The tokens the native front wrote while it had the attempt."""
+        ...
 
 
 class StreamCall:
@@ -52,6 +103,7 @@ class StreamCall:
         "_events",
         "_failure",
         "_finished",
+        "_native",
         "_session",
         "_timer",
         "_waiter",
@@ -71,7 +123,9 @@ class StreamCall:
         self._buffered = 0  # unread tokens
         # Takes a chunk where it arrives, in the reader's turn (control.request.direct);
         # returns False to leave it to the queue. Only while nothing waits in the queue.
-        self.direct: Callable[[Any], bool] | None = None
+        self.direct: DirectHandler | None = None
+        # The handler whose attempt the native front has (its chunks made there).
+        self._native: DirectHandler | None = None
 
     def __aiter__(self) -> StreamCall:
         return self
@@ -118,6 +172,7 @@ class StreamCall:
         call gets CancelledError, as with a cancelled gRPC call."""
         if self.done():
             return False
+        self._take_back()
         self._session.cancel(self.attempt_id)
         self._fail(asyncio.CancelledError())
         return True
@@ -129,6 +184,9 @@ class StreamCall:
         if is_chunk and direct is not None and not self._events:
             try:
                 if direct(event.chunk):
+                    if self._native is None and self._session.raw:
+                        # After the rest of this message, which is Python's to handle.
+                        self._session.handovers.append(self)
                     return
             except Exception as exc:  # as if the reader had raised it: the request fails
                 self._session.cancel(self.attempt_id)  # and the worker stops generating
@@ -142,7 +200,43 @@ class StreamCall:
             self._end()
         self._wake()
 
+    def _hand_over(self) -> None:
+        """The native front makes this attempt's next chunks, when it can."""
+        direct = self.direct
+        if direct is None or self._native is not None or self._events or self.done():
+            return
+        handover = direct.handover()
+        if handover is None:
+            return
+        session = self._session
+        if handover.feed.direct_start(
+            session.id,
+            self.attempt_id,
+            handover.call,
+            handover.vocab,
+            handover.pending,
+            handover.last_token_at,
+        ):
+            self._native = direct
+            session.native_started(handover)
+
+    def _take_back(self) -> None:
+        """The attempt back from the native front, with the tokens it wrote (if it had it)."""
+        native, self._native = self._native, None
+        if native is not None:
+            raw = self._session.native_stop(self.attempt_id)
+            if raw:
+                back = front_pb2.Handback.FromString(raw)
+                native.adopt(back.token_ids, back.last_token_at)
+
+    def _handed_back(self, back: Any) -> None:
+        """The native front gave the attempt back (its next event is Python's)."""
+        native, self._native = self._native, None
+        if native is not None:
+            native.adopt(back.token_ids, back.last_token_at)
+
     def _fail(self, exc: BaseException) -> None:
+        self._take_back()
         self.direct = None
         if not self.done():
             self._failure = exc
@@ -194,10 +288,21 @@ class StreamSession:
         max_buffered_tokens: int = MAX_BUFFERED_TOKENS,
         slow_reader_grace_s: float = SLOW_READER_GRACE_S,
         on_break: Callable[[], None] = lambda: None,
+        raw_stream: Callable[[], Any] | None = None,
     ) -> None:
+        """`raw_stream`: opens GenerateStream with messages read as bytes, parsed here
+        (the native direct path needs them so); else `stub.GenerateStream` parses them."""
         self._stub = stub
         self._on_break = on_break
+        self._raw_stream = raw_stream
+        self.raw = raw_stream is not None
+        self.id = next(_session_ids)
         self.address = address
+        # The native front's direct path, once an attempt is handed over to it.
+        self._feed: NativeFeed | None = None
+        self._observe_itl: Callable[[float], None] = lambda _: None
+        self._handed = 0  # attempts the native front has now
+        self.handovers: list[StreamCall] = []  # to hand over after the message at hand
         self.max_buffered_tokens = max_buffered_tokens
         self.slow_reader_grace_s = slow_reader_grace_s
         self._call: Any = None
@@ -237,8 +342,41 @@ class StreamSession:
     async def close(self) -> None:
         self._break(FailureKind.LOST, "the worker connection was closed")
 
+    def native_started(self, handover: Handover) -> None:
+        self._feed = handover.feed
+        self._observe_itl = handover.observe_itl
+        self._handed += 1
+
+    def native_stop(self, attempt_id: int) -> bytes:
+        """Takes an attempt back from the native front: its serialized Handback."""
+        if self._feed is None:
+            return b""
+        self._handed -= 1
+        return self._feed.direct_stop(self.id, attempt_id)
+
+    def _parse(self, raw: bytes) -> Any:
+        """A worker message read as bytes: through the native front while it has
+        attempts of this stream (their chunks written there), the rest parsed here."""
+        feed = self._feed
+        if feed is None or self._handed <= 0:
+            return worker_pb2.StreamResponse.FromString(raw)
+        result = front_pb2.FeedResult.FromString(feed.feed(self.id, raw))
+        if result.tokens:
+            FRONT_DIRECT_TOKENS.inc(result.tokens)
+            observe = self._observe_itl
+            for seconds in result.itl:
+                observe(seconds)
+        calls = self._calls
+        for back in result.handbacks:
+            self._handed -= 1
+            target = calls.get(back.attempt)
+            if target is not None:
+                target._handed_back(back)
+        return worker_pb2.StreamResponse.FromString(result.rest)
+
     def _connect(self) -> None:
-        call = self._stub.GenerateStream()
+        opener = self._raw_stream or self._stub.GenerateStream
+        call = opener()
         self._call = call
         self._tasks = [
             asyncio.create_task(self._read(call), name=f"stream reader {self.address}"),
@@ -271,6 +409,8 @@ class StreamSession:
         kind, details = FailureKind.LOST, "the worker ended the stream"
         try:
             async for message in call:
+                if self.raw:
+                    message = self._parse(message)
                 behind: list[StreamCall] = []
                 for event in message.events:
                     target = calls.get(event.attempt_id)
@@ -282,6 +422,10 @@ class StreamSession:
                     target._push(event, is_chunk)
                     if target._buffered > self.max_buffered_tokens:
                         behind.append(target)
+                if self.handovers:
+                    for target in self.handovers:
+                        target._hand_over()
+                    self.handovers.clear()
                 # The whole message is delivered first; then the stream waits (reads no
                 # more) for the readers that are too far behind.
                 for target in behind:
