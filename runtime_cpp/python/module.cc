@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include "executor.h"
+#include "front/utf8.h"
 #include "sim_executor.h"
 
 namespace py = pybind11;
@@ -170,4 +171,16 @@ PYBIND11_MODULE(switchyard_runtime, m) {
       .def_static("token_at", &SimExecutor::token_at, py::arg("prompt_hash"), py::arg("seed"),
                   py::arg("position"), py::arg("vocab_size"))
       .def_static("hash_tokens", &SimExecutor::hash_tokens, py::arg("tokens"));
+
+  m.def(
+      "utf8_append",
+      [](py::bytes pending, py::bytes data) {
+        std::string held = pending;
+        std::string text;
+        switchyard::front::utf8_append(held, std::string(data), text);
+        return py::make_tuple(py::bytes(text), py::bytes(held));
+      },
+      py::arg("pending"), py::arg("data"),
+      "The native front's UTF-8 reader (runtime_cpp/src/front/utf8.h): (the text's bytes, "
+      "the bytes held back) for `pending` + `data`.");
 }

@@ -27,41 +27,52 @@ std::string table(const std::vector<const char*>& tokens) {
 
 TEST(Utf8Append, AsciiAndWholeCharactersPassThrough) {
   std::string pending, text;
-  ASSERT_TRUE(utf8_append(pending, "h\xc3\xa9llo \xe6\x97\xa5 \xf0\x9f\x9a\x82", text));
+  utf8_append(pending, "h\xc3\xa9llo \xe6\x97\xa5 \xf0\x9f\x9a\x82", text);
   EXPECT_EQ(text, "h\xc3\xa9llo \xe6\x97\xa5 \xf0\x9f\x9a\x82");
   EXPECT_TRUE(pending.empty());
 }
 
 TEST(Utf8Append, HoldsACharacterUntilItsLastByte) {
   std::string pending, text;
-  ASSERT_TRUE(utf8_append(pending, "a\xf0\x9f", text));
+  utf8_append(pending, "a\xf0\x9f", text);
   EXPECT_EQ(text, "a");
   EXPECT_EQ(pending, "\xf0\x9f");
-  ASSERT_TRUE(utf8_append(pending, "\x9a", text));
+  utf8_append(pending, "\x9a", text);
   EXPECT_EQ(text, "a");
-  ASSERT_TRUE(utf8_append(pending, "\x82!", text));
+  utf8_append(pending, "\x82!", text);
   EXPECT_EQ(text, "a\xf0\x9f\x9a\x82!");
   EXPECT_TRUE(pending.empty());
 }
 
-TEST(Utf8Append, RefusesWhatIsNotUtf8AndChangesNothing) {
-  // A stray continuation byte, an overlong form, a surrogate, beyond U+10FFFF, a lead byte
-  // followed by ASCII, and a held start that the next byte breaks.
-  for (const char* bad : {"\x80", "\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80", "\xe6x",
-                          "\xf5\x80"}) {
-    std::string pending = "", text = "kept";
-    EXPECT_FALSE(utf8_append(pending, bad, text)) << bad;
-    EXPECT_EQ(text, "kept");
+TEST(Utf8Append, ReplacesEachMaximalSubpartOfWhatIsNotUtf8) {
+  // As Python's decoder with errors="replace": a stray continuation byte, an overlong
+  // form, a surrogate, beyond U+10FFFF (one U+FFFD a byte), a start cut by ASCII (one for
+  // the start), a byte that can start nothing.
+  const std::string r = "\xef\xbf\xbd";
+  const std::pair<const char*, std::string> cases[] = {
+      {"\x80", r},           {"\xc0\xaf", r + r},         {"\xed\xa0\x80", r + r + r},
+      {"\xf4\x90\x80\x80", r + r + r + r}, {"\xe6\x97x", r + "x"}, {"\xf5\x80", r + r},
+  };
+  for (const auto& [bad, want] : cases) {
+    std::string pending, text = "kept";
+    utf8_append(pending, bad, text);
+    EXPECT_EQ(text, "kept" + want) << bad;
     EXPECT_TRUE(pending.empty());
   }
   std::string pending = "\xe6\x97", text;
-  EXPECT_FALSE(utf8_append(pending, "A", text));
-  EXPECT_EQ(pending, "\xe6\x97");
-  EXPECT_TRUE(text.empty());
-  // A start that can only go wrong is refused at once, not held.
-  pending.clear();
-  EXPECT_FALSE(utf8_append(pending, "\xed\xa0", text));
-  EXPECT_FALSE(utf8_append(pending, "\xe0\x80", text));
+  utf8_append(pending, "A", text);
+  EXPECT_EQ(text, r + "A");
+  EXPECT_TRUE(pending.empty());
+  // A start that can only go wrong is replaced at once, not held; but a surrogate's
+  // start at the end is held, as CPython's incremental decoder holds it.
+  text.clear();
+  utf8_append(pending, "\xe0\x80", text);
+  EXPECT_EQ(text, r + r);
+  EXPECT_TRUE(pending.empty());
+  utf8_append(pending, "\xed\xa0", text);
+  EXPECT_EQ(pending, "\xed\xa0");
+  utf8_append(pending, "x", text);
+  EXPECT_EQ(text, r + r + r + r + "x");
 }
 
 TEST(ByteVocab, ReadsTheTableAndRefusesOneCutShort) {
@@ -155,14 +166,13 @@ TEST_F(DirectTableTest, HandsAnAttemptBackBeforeWhatItCannotTake) {
     m.mutable_events(m.events_size() - 1)->mutable_chunk()->add_logprobs()->set_token_id(1);
   };
   auto no_bytes = [](worker::v1::StreamResponse& m) { chunk(m, 1, {1, 4}); };
-  auto not_utf8 = [](worker::v1::StreamResponse& m) { chunk(m, 1, {5}); };
   auto final = [](worker::v1::StreamResponse& m) {
     auto* e = m.add_events();
     e->set_attempt_id(1);
     e->mutable_final()->set_finish_reason(switchyard::v1::FINISH_REASON_LENGTH);
   };
-  for (auto add : std::vector<void (*)(worker::v1::StreamResponse&)>{logprobs, no_bytes,
-                                                                       not_utf8, final}) {
+  for (auto add :
+       std::vector<void (*)(worker::v1::StreamResponse&)>{logprobs, no_bytes, final}) {
     writes_.clear();
     ASSERT_TRUE(table_.start(7, 1, 100, vocab_, "", 9.0));
     worker::v1::StreamResponse m;
@@ -179,6 +189,20 @@ TEST_F(DirectTableTest, HandsAnAttemptBackBeforeWhatItCannotTake) {
     EXPECT_EQ(rest.events_size(), 2);
     EXPECT_EQ(table_.size(), 0u);
   }
+}
+
+TEST_F(DirectTableTest, BytesThatAreNotUtf8AreWrittenAsPythonReadsThem) {
+  // A held start that the next token breaks, then a byte that starts nothing: U+FFFD for
+  // each, as the control plane's decoder (errors="replace") makes them.
+  ASSERT_TRUE(table_.start(7, 1, 100, vocab_, "", 9.0));
+  worker::v1::StreamResponse m;
+  chunk(m, 1, {2});
+  chunk(m, 1, {0, 5, 1});
+  auto result = feed(m);
+  EXPECT_EQ(result.handbacks_size(), 0);
+  ASSERT_EQ(writes_.size(), 2u);
+  EXPECT_EQ(written_text(0), "");
+  EXPECT_EQ(written_text(1), "\xef\xbf\xbdHe\xef\xbf\xbdllo");
 }
 
 TEST_F(DirectTableTest, ACallThatIsFullGetsNothingMore) {

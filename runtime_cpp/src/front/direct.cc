@@ -7,31 +7,6 @@
 #include "switchyard/worker/v1/worker.pb.h"
 
 namespace switchyard::front {
-namespace {
-
-// The range the byte after a lead byte must be in (Unicode's table of well-formed UTF-8),
-// and the sequence's length; 0 for a byte that cannot start one.
-struct Lead {
-  int length;
-  unsigned char low, high;
-};
-
-Lead lead_of(unsigned char b) {
-  if (b < 0x80) return {1, 0, 0};
-  if (b < 0xC2) return {0, 0, 0};
-  if (b < 0xE0) return {2, 0x80, 0xBF};
-  if (b == 0xE0) return {3, 0xA0, 0xBF};
-  if (b == 0xED) return {3, 0x80, 0x9F};  // no surrogates
-  if (b < 0xF0) return {3, 0x80, 0xBF};
-  if (b == 0xF0) return {4, 0x90, 0xBF};
-  if (b < 0xF4) return {4, 0x80, 0xBF};
-  if (b == 0xF4) return {4, 0x80, 0x8F};
-  return {0, 0, 0};
-}
-
-bool continuation(unsigned char b) { return b >= 0x80 && b <= 0xBF; }
-
-}  // namespace
 
 std::shared_ptr<const ByteVocab> ByteVocab::parse(std::string_view table) {
   auto vocab = std::make_shared<ByteVocab>();
@@ -55,37 +30,6 @@ std::shared_ptr<const ByteVocab> ByteVocab::parse(std::string_view table) {
     at += static_cast<std::size_t>(length);
   }
   return vocab;
-}
-
-bool utf8_append(std::string& pending, std::string_view in, std::string& text) {
-  std::string all;
-  std::string_view bytes = in;
-  if (!pending.empty()) {
-    all.reserve(pending.size() + in.size());
-    all.append(pending).append(in);
-    bytes = all;
-  }
-  const auto* b = reinterpret_cast<const unsigned char*>(bytes.data());
-  const std::size_t n = bytes.size();
-  std::size_t i = 0;
-  while (i < n) {
-    if (b[i] < 0x80) {  // ASCII, the common case
-      ++i;
-      continue;
-    }
-    const Lead lead = lead_of(b[i]);
-    if (lead.length == 0) return false;
-    const std::size_t have = std::min<std::size_t>(lead.length, n - i);
-    if (have > 1 && (b[i + 1] < lead.low || b[i + 1] > lead.high)) return false;
-    for (std::size_t k = 2; k < have; ++k) {
-      if (!continuation(b[i + k])) return false;
-    }
-    if (have < static_cast<std::size_t>(lead.length)) break;  // a character not finished yet
-    i += lead.length;
-  }
-  text.append(bytes.data(), i);
-  pending.assign(bytes.data() + i, n - i);
-  return true;
 }
 
 int DirectTable::add_vocab(std::shared_ptr<const ByteVocab> vocab) {
@@ -156,10 +100,9 @@ bool DirectTable::feed(std::uint64_t stream, std::string_view raw, double now,
           bytes.append(*b);
         }
       }
-      text.clear();
-      std::string pending = a.pending;
-      if (plain && ready(a.call) && utf8_append(pending, bytes, text)) {
-        a.pending = std::move(pending);
+      if (plain && ready(a.call)) {
+        text.clear();
+        utf8_append(a.pending, bytes, text);
         switchyard::v1::GenerateResponse out;
         auto* public_chunk = out.mutable_chunk();
         public_chunk->set_text(text);

@@ -5,7 +5,7 @@
 // Python hands a request over in the middle of its stream, when everything its next
 // chunks need is plain: text from the tokens' bytes (a byte-level BPE vocabulary), no
 // logprobs, no stop strings, no cadence, a client that keeps up. A chunk that needs more
-// (a token without bytes, bytes that are not UTF-8, logprobs, a full or ended call) and
+// (a token without bytes, logprobs, a full or ended call) and
 // every Final or error is left to Python, together with the request's tokens handled here
 // (`Handback`), so that Python's state is whole again before it sees the event.
 #pragma once
@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "front/utf8.h"
 #include "switchyard/front/v1/front.pb.h"
 
 namespace switchyard::front {
@@ -40,12 +41,6 @@ class ByteVocab {
   std::vector<std::string> bytes_;
   std::vector<char> has_;
 };
-
-// Incremental UTF-8, as Python's incremental decoder reads valid input: appends to `text`
-// the whole characters of `pending` + `in`, and keeps in `pending` the start of a character
-// not finished yet. Returns false, changing nothing, when the bytes are not UTF-8 (Python
-// replaces those, by its own rules).
-bool utf8_append(std::string& pending, std::string_view in, std::string& text);
 
 // The writes one feed makes: call id and serialized public GenerateResponse, in order.
 using Writes = std::vector<std::pair<std::uint64_t, std::string>>;

@@ -116,9 +116,9 @@ def test_plain_streams_are_made_in_the_front_with_the_same_answers(
         assert answer(native) == answer(python)
         assert answer(native)[3] == 300
     made = direct_tokens(fronts["native"]) - before
-    # Not all: the simulator's random ids over a byte-level vocabulary often make bytes
-    # that are not UTF-8, which Python decodes (as U+FFFD) before handing over again.
-    assert 4 * 100 <= made < 4 * 300, made
+    # All but each stream's first chunk (Python's, which hands the stream over), unless
+    # the client fell behind for a moment.
+    assert 4 * 250 <= made <= 4 * 299, made
     stream(fronts["native"].address, sampled(9, 100, logprobs=True))
     assert direct_tokens(fronts["native"]) - before == made
 
