@@ -102,7 +102,15 @@ class DirectChunks:
         if target is None:
             return None
         feed, call, vocab = target
-        return Handover(feed, call, vocab, pending, self._clock.last_token_at, self._itl.observe)
+        return Handover(
+            feed,
+            call,
+            vocab,
+            pending,
+            self._clock.last_token_at,
+            self._itl.observe,
+            output.count_tokens,
+        )
 
     def adopt(self, token_ids: Sequence[int], last_token_at: float) -> None:
         """The tokens the native front wrote while it had the request."""

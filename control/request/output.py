@@ -113,13 +113,16 @@ class OutputState:
         return self._detok.held_bytes()
 
     def adopt(self, ids: Sequence[int]) -> None:
-        """Tokens whose plain chunks were written elsewhere (after `plain_bytes`): the
-        state becomes what pushing them here would have made it."""
+        """Tokens whose plain chunks were written elsewhere (after `plain_bytes`), and
+        counted there (`count_tokens`): the state becomes what pushing them here would
+        have made it."""
         self.generated.extend(ids)
         self._detok.adopt(ids)
-        self._uncounted += len(ids)
-        if self._uncounted >= COUNT_EVERY_TOKENS:
-            self.count()
+
+    @property
+    def count_tokens(self) -> Callable[[int], None]:
+        """The generated-token counter, for tokens counted where they are written."""
+        return self._count
 
     def take_final(self, wf: worker_pb2.Final) -> None:
         """The worker's Final: why it stopped, and the prompt tokens it found cached."""

@@ -76,6 +76,7 @@ class Handover:
     pending: bytes  # the start of a character not finished yet
     last_token_at: float  # time.perf_counter() of the last token
     observe_itl: Callable[[float], None]  # the inter-token latency histogram
+    count_tokens: Callable[[int], None]  # the generated-token counter
 
 
 class DirectHandler(Protocol):
@@ -301,6 +302,7 @@ class StreamSession:
         # The native front's direct path, once an attempt is handed over to it.
         self._feed: NativeFeed | None = None
         self._observe_itl: Callable[[float], None] = lambda _: None
+        self._count_tokens: Callable[[int], None] = lambda _: None
         self._handed = 0  # attempts the native front has now
         self.handovers: list[StreamCall] = []  # to hand over after the message at hand
         self.max_buffered_tokens = max_buffered_tokens
@@ -345,6 +347,7 @@ class StreamSession:
     def native_started(self, handover: Handover) -> None:
         self._feed = handover.feed
         self._observe_itl = handover.observe_itl
+        self._count_tokens = handover.count_tokens
         self._handed += 1
 
     def native_stop(self, attempt_id: int) -> bytes:
@@ -361,8 +364,9 @@ class StreamSession:
         if feed is None or self._handed <= 0:
             return worker_pb2.StreamResponse.FromString(raw)
         result = front_pb2.FeedResult.FromString(feed.feed(self.id, raw))
-        if result.tokens:
+        if result.tokens:  # one worker's, so one model's
             FRONT_DIRECT_TOKENS.inc(result.tokens)
+            self._count_tokens(result.tokens)
             observe = self._observe_itl
             for seconds in result.itl:
                 observe(seconds)

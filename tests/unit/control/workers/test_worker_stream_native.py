@@ -92,13 +92,14 @@ class Direct:
         self.taken: list[list[int]] = []
         self.adopted: list[list[int]] = []
         self.itl: list[float] = []
+        self.counted: list[int] = []
 
     def __call__(self, c: worker_pb2.Chunk) -> bool:
         self.taken.append(list(c.token_ids))
         return True
 
     def handover(self) -> Handover | None:
-        return Handover(self.front, 77, 0, b"", 1.0, self.itl.append)
+        return Handover(self.front, 77, 0, b"", 1.0, self.itl.append, self.counted.append)
 
     def adopt(self, token_ids: Sequence[int], last_token_at: float) -> None:
         assert last_token_at == 123.0
@@ -130,6 +131,7 @@ async def test_the_front_writes_the_chunks_and_hands_back_before_the_final() -> 
     assert front.written == [(77, [6, 7]), (77, [8]), (77, [9])]
     assert direct.adopted == [[6, 7, 8, 9]] and direct.taken == [[5]]
     assert [e.HasField("final") for e in events] == [True] and len(direct.itl) == 3
+    assert sum(direct.counted) == 4  # counted as the front writes them
 
 
 async def test_a_chunk_the_front_declines_comes_back_after_the_tokens_it_wrote() -> None:
