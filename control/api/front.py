@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import inspect
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, NoReturn
@@ -239,9 +240,10 @@ class NativeFront:
         self._loop: asyncio.AbstractEventLoop | None = None
         # The direct path's vocabularies on the front: their handles, once made (a
         # table is built in a thread, once per vocabulary: a large one takes a while).
-        self._vocabs: dict[int, int] = {}
-        self._vocabs_building: set[int] = set()
-        self._vocab_keep: list[Vocabulary] = []  # their ids stay theirs
+        # Held weakly: a model unloaded takes its vocabulary with it (the front keeps its
+        # copy of the table, a few MB, for the process's life).
+        self._vocabs: weakref.WeakKeyDictionary[Vocabulary, int] = weakref.WeakKeyDictionary()
+        self._vocabs_building: weakref.WeakSet[Vocabulary] = weakref.WeakSet()
 
     @property
     def port(self) -> int:
@@ -296,7 +298,7 @@ class NativeFront:
     ) -> tuple[FrontLib, int, int] | None:
         """The front, the call and the vocabulary's handle, once the vocabulary is on the
         front, this turn's commands applied first (the front's chunks come after them)."""
-        handle = self._vocabs.get(id(vocabulary))
+        handle = self._vocabs.get(vocabulary)
         if handle is None:
             self._add_vocab(vocabulary)
             return None
@@ -307,21 +309,24 @@ class NativeFront:
         return self._lib, call_id, handle
 
     def _add_vocab(self, vocabulary: Vocabulary) -> None:
-        key = id(vocabulary)
-        if key in self._vocabs_building:
+        if vocabulary in self._vocabs_building:
             return
-        self._vocabs_building.add(key)
-        self._vocab_keep.append(vocabulary)
+        self._vocabs_building.add(vocabulary)
         assert self._loop is not None
         table = self._loop.run_in_executor(None, vocabulary.byte_table)
+        ref = weakref.ref(vocabulary)
 
         def done(f: asyncio.Future[bytes]) -> None:
-            self._vocabs_building.discard(key)
-            if f.cancelled() or f.exception() is not None:
-                log.warning("no byte table for the direct path", error=repr(f.exception()))
-                self._vocabs[key] = -1
+            held = ref()
+            if held is None:  # its model is gone
                 return
-            self._vocabs[key] = self._lib.vocab(f.result())
+            self._vocabs_building.discard(held)
+            error = "cancelled" if f.cancelled() else f.exception()
+            if error is not None:
+                log.warning("no byte table for the direct path", error=repr(error))
+                self._vocabs[held] = -1
+                return
+            self._vocabs[held] = self._lib.vocab(f.result())
 
         table.add_done_callback(done)
 

@@ -54,6 +54,7 @@ class Vocabulary:
     token, which is decoded apart)."""
 
     __slots__ = (
+        "__weakref__",  # the native front keeps its tables by vocabulary, weakly
         "_byte_cache",
         "_bytes_of",
         "_cache",

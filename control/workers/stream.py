@@ -354,8 +354,10 @@ class StreamSession:
         """Takes an attempt back from the native front: its serialized Handback."""
         if self._feed is None:
             return b""
-        self._handed -= 1
-        return self._feed.direct_stop(self.id, attempt_id)
+        raw = self._feed.direct_stop(self.id, attempt_id)
+        if raw:
+            self._handed -= 1
+        return raw
 
     def _parse(self, raw: bytes) -> Any:
         """A worker message read as bytes: through the native front while it has
@@ -499,3 +501,6 @@ class StreamSession:
             self._on_break()  # one break is one failure of the worker, however many calls
         for stream in calls.values():
             stream._fail(WorkerCallFailed(kind, self.address, details, counted=True))
+        # Each was taken back from the native front above; none of this stream's attempts
+        # is left there (attempt ids are never reused, so none could be met again).
+        self._handed = 0

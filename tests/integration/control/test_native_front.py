@@ -46,15 +46,24 @@ def fronts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]
         yield {"python": python, "native": n}
 
 
-def direct_tokens(proc: Proc) -> float:
-    """The native front's count of tokens whose chunks it made itself."""
+def counted(proc: Proc, series: str) -> float:
+    """A counter's value on the plane's /metrics."""
     address = proc.metrics  # type: ignore[attr-defined]
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as page:
         text = page.read().decode()
     for line in text.splitlines():
-        if line.startswith("switchyard_front_direct_tokens_total "):
+        if line.startswith(f"{series} "):
             return float(line.split()[1])
-    raise AssertionError("no switchyard_front_direct_tokens_total on /metrics")
+    raise AssertionError(f"no {series} on /metrics")
+
+
+def direct_tokens(proc: Proc) -> float:
+    """The native front's count of tokens whose chunks it made itself."""
+    return counted(proc, "switchyard_front_direct_tokens_total")
+
+
+def generated_tokens(proc: Proc) -> float:
+    return counted(proc, 'switchyard_generation_tokens_total{model="sim"}')
 
 
 def sampled(seed: int, max_tokens: int, logprobs: bool = False) -> generation_pb2.GenerateRequest:
@@ -109,7 +118,7 @@ def test_plain_streams_are_made_in_the_front_with_the_same_answers(
     by the front from the worker's messages (the C++ direct path): the same text and ids as
     the grpc.aio front, and the front's counter says it made them. With logprobs they
     are Python's, and the counter does not move."""
-    before = direct_tokens(fronts["native"])
+    before, generated = direct_tokens(fronts["native"]), generated_tokens(fronts["native"])
     for seed in range(4):
         req = sampled(seed, 300)
         python, native = (stream(fronts[f].address, req) for f in ("python", "native"))
@@ -119,6 +128,7 @@ def test_plain_streams_are_made_in_the_front_with_the_same_answers(
     # All but each stream's first chunk (Python's, which hands the stream over), unless
     # the client fell behind for a moment.
     assert 4 * 250 <= made <= 4 * 299, made
+    assert generated_tokens(fronts["native"]) - generated == 4 * 300  # each counted once
     stream(fronts["native"].address, sampled(9, 100, logprobs=True))
     assert direct_tokens(fronts["native"]) - before == made
 

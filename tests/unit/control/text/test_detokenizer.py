@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+import switchyard_runtime as rt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
@@ -342,3 +343,50 @@ def test_a_character_the_prompt_began_is_not_read_twice(control_tok: Tokenizer) 
     text += detok.flush()
     whole = control_tok.decode([*prompt, second, third, *control_tok.encode(" ok", False)], True)
     assert text == whole[len(control_tok.decode(prompt, True)) :] == " ok"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    out=st.lists(st.integers(0, 515), max_size=100),
+    prompt=st.lists(st.integers(0, 511), max_size=8),
+    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=100),
+    away=st.lists(st.booleans(), min_size=1, max_size=100),
+    skip=st.booleans(),
+)
+def test_tokens_read_on_elsewhere_and_adopted_give_the_whole_decode(
+    control_tok: Tokenizer,
+    out: list[int],
+    prompt: list[int],
+    sizes: list[int],
+    away: list[bool],
+    skip: bool,
+) -> None:
+    """The native front's direct path: whenever `held_bytes` says the next tokens' text is
+    their bytes, chunks are made elsewhere (the front's own UTF-8 reader, from the held
+    bytes on) and `adopt`ed; the text, both sides together, is the whole decode's, and
+    the detokenizer goes on from there as if it had pushed them (special tokens and ids
+    past the vocabulary included: those have no bytes and stay here)."""
+    vocabulary = control_tok.vocabulary
+    detok = control_tok.detokenizer(prompt, skip)
+    chunks: list[str] = []
+    held: bytes | None = None  # the front's held bytes while it has the stream
+    i = k = 0
+    while i < len(out):
+        ids = out[i : i + sizes[k % len(sizes)]]
+        parts = [vocabulary.token_bytes(t) for t in ids]
+        if held is None and away[k % len(away)]:
+            held = detok.held_bytes()
+        if held is not None and None not in parts:
+            text, held = rt.utf8_append(held, b"".join(p for p in parts if p is not None))
+            chunks.append(text.decode())
+            detok.adopt(ids)
+        else:  # the front hands the stream back
+            held = None
+            chunks.append(detok.push(ids))
+        i += len(ids)
+        k += 1
+    chunks.append(detok.flush())
+    whole = control_tok.decode(prompt[-5:] + out, skip)[
+        len(control_tok.decode(prompt[-5:], skip)) :
+    ]
+    assert "".join(chunks) == whole

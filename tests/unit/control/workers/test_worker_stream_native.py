@@ -91,11 +91,13 @@ class Direct:
         self.front = front
         self.taken: list[list[int]] = []
         self.adopted: list[list[int]] = []
+        self.log: list[tuple[str, list[int]]] = []  # both, in the order they happened
         self.itl: list[float] = []
         self.counted: list[int] = []
 
     def __call__(self, c: worker_pb2.Chunk) -> bool:
         self.taken.append(list(c.token_ids))
+        self.log.append(("taken", list(c.token_ids)))
         return True
 
     def handover(self) -> Handover | None:
@@ -104,6 +106,7 @@ class Direct:
     def adopt(self, token_ids: Sequence[int], last_token_at: float) -> None:
         assert last_token_at == 123.0
         self.adopted.append(list(token_ids))
+        self.log.append(("adopted", list(token_ids)))
 
 
 def session_on(wire: RawCall) -> StreamSession:
@@ -129,7 +132,8 @@ async def test_the_front_writes_the_chunks_and_hands_back_before_the_final() -> 
     wire.send(chunk(a, 9), final(a))
     events = await drain(call)
     assert front.written == [(77, [6, 7]), (77, [8]), (77, [9])]
-    assert direct.adopted == [[6, 7, 8, 9]] and direct.taken == [[5]]
+    assert direct.log == [("taken", [5]), ("adopted", [6, 7, 8, 9])]
+    assert call._session._handed == 0 and not front.attempts
     assert [e.HasField("final") for e in events] == [True] and len(direct.itl) == 3
     assert sum(direct.counted) == 4  # counted as the front writes them
 
@@ -144,7 +148,15 @@ async def test_a_chunk_the_front_declines_comes_back_after_the_tokens_it_wrote()
     # 6 by the front; the declined chunk by Python after it got 6 back, and the rest of
     # that message; handed over again, 9 by the front, back before the final.
     assert front.written == [(77, [6]), (77, [9])]
-    assert direct.taken == [[5], [DECLINED, 7], [8]] and direct.adopted == [[6], [9]]
+    # Each time, the tokens come back before Python takes the next chunk.
+    assert direct.log == [
+        ("taken", [5]),
+        ("adopted", [6]),
+        ("taken", [DECLINED, 7]),
+        ("taken", [8]),
+        ("adopted", [9]),
+    ]
+    assert call._session._handed == 0 and not front.attempts
 
 
 async def test_a_cancel_takes_the_attempt_back_with_what_the_front_wrote() -> None:
@@ -153,7 +165,7 @@ async def test_a_cancel_takes_the_attempt_back_with_what_the_front_wrote() -> No
     wire.send(chunk(a, 6))
     await wire.delivered_at_least(2)
     assert call.cancel()
-    assert direct.adopted == [[6]] and not front.attempts
+    assert direct.adopted == [[6]] and not front.attempts and call._session._handed == 0
     assert list((await wire.next_write()).cancel) == [a]
 
 
@@ -175,7 +187,7 @@ async def test_a_broken_stream_gives_the_tokens_back_before_the_failure() -> Non
     with pytest.raises(WorkerCallFailed) as failed:
         await drain(call)
     assert failed.value.kind is FailureKind.LOST
-    assert direct.adopted == [[6]] and not front.attempts
+    assert direct.adopted == [[6]] and not front.attempts and session._handed == 0
     with pytest.raises(WorkerCallFailed):  # the other, on Python's path, fails the same
         await drain(other)
 
@@ -190,3 +202,22 @@ async def test_messages_are_parsed_here_when_nothing_is_handed_over() -> None:
     events = await drain(call)
     assert [list(e.chunk.token_ids) for e in events[:-1]] == [[5, 6]]  # merged: behind
     assert not front.written
+
+
+async def test_a_deadline_takes_the_attempt_back_before_it_fails() -> None:
+    wire, front = RawCall(), ScriptedFront()
+    session = session_on(wire)
+    call = session.open(request(), 0.5)
+    (start,) = (await wire.next_write()).start
+    a = start.attempt_id
+    direct = Direct(front)
+    call.direct = direct
+    wire.send(chunk(a, 5))
+    wire.send(chunk(a, 6))
+    await wire.delivered_at_least(2)
+    with pytest.raises(WorkerCallFailed) as failed:  # the worker says nothing more
+        await drain(call)
+    assert failed.value.kind is FailureKind.DEADLINE
+    assert direct.log == [("taken", [5]), ("adopted", [6])]
+    assert not front.attempts and session._handed == 0
+    assert list((await wire.next_write()).cancel) == [a]
