@@ -126,8 +126,8 @@ def test_plain_streams_are_made_in_the_front_with_the_same_answers(
         assert answer(native)[3] == 300
     made = direct_tokens(fronts["native"]) - before
     # All but each stream's first chunk (Python's, which hands the stream over), unless
-    # the client fell behind for a while (at least 1,000 of 1,200 here); at least half, on a slow
-    # machine too.
+    # the client fell behind for a while: at least 1,000 of 1,200 here, and at least half
+    # on a slow machine too.
     assert 4 * 150 <= made <= 4 * 299, made
     assert generated_tokens(fronts["native"]) - generated == 4 * 300  # each counted once
     stream(fronts["native"].address, sampled(9, 100, logprobs=True))
