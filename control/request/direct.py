@@ -33,6 +33,7 @@ from switchyard.v1 import generation_pb2
 from switchyard.worker.v1 import worker_pb2
 
 from control.request.output import OutputState
+from control.text.detokenizer import Vocabulary
 from control.workers.stream import Handover, NativeFeed
 
 
@@ -45,7 +46,7 @@ class ChunkSink(Protocol):
 
     def write_now(self, message: generation_pb2.GenerateResponse) -> None: ...
 
-    def native(self, vocabulary: Any) -> tuple[NativeFeed, int, int] | None:
+    def native(self, vocabulary: Vocabulary) -> tuple[NativeFeed, int, int] | None:
         """Where the native front can write this call's chunks itself, its messages so
         far sent first: (the front, the call's id there, the vocabulary's handle there);
         None when it cannot (yet)."""

@@ -11,12 +11,12 @@ transport: it is tested with plain token ids (tests/unit/control/request/test_ou
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from switchyard.v1 import common_pb2, generation_pb2
 from switchyard.worker.v1 import worker_pb2
 
+from control.text.detokenizer import Vocabulary
 from control.text.params import GenerationParams
 from control.text.stops import StopMatcher
 from control.text.tokenizer import Tokenizer
@@ -94,7 +94,7 @@ class OutputState:
     # ---- the native direct path (control.request.direct) -----------------------------
 
     @property
-    def vocabulary(self) -> Any:
+    def vocabulary(self) -> Vocabulary:
         return self._tokenizer.vocabulary
 
     def may_be_plain(self) -> bool:

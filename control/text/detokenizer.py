@@ -59,7 +59,6 @@ class Vocabulary:
         "_bytes_of",
         "_cache",
         "_piece_of",
-        "_table",
         "byte_ids",
         "size",
         "special_ids",
@@ -80,7 +79,6 @@ class Vocabulary:
         self._bytes_of = bytes_of
         self._cache: dict[int, str | None] = {}
         self._byte_cache: dict[int, bytes | None] = {}
-        self._table: bytes | None = None
 
     @property
     def has_pieces(self) -> bool:
@@ -104,14 +102,12 @@ class Vocabulary:
     def byte_table(self) -> bytes:
         """Every token's bytes (`token_bytes`) for ids below `size`, for the native front's
         direct path (runtime_cpp/src/front/direct.h): per id a little-endian int32 length,
-        -1 for none, then the bytes. Made once."""
-        if self._table is None:
-            parts = []
-            for token_id in range(self.size):
-                raw = self.token_bytes(token_id)
-                parts.append(_NO_BYTES if raw is None else struct.pack("<i", len(raw)) + raw)
-            self._table = b"".join(parts)
-        return self._table
+        -1 for none, then the bytes. The front asks once per vocabulary and keeps its copy."""
+        parts = []
+        for token_id in range(self.size):
+            raw = self.token_bytes(token_id)
+            parts.append(_NO_BYTES if raw is None else struct.pack("<i", len(raw)) + raw)
+        return b"".join(parts)
 
     def piece(self, token_id: int) -> str | None:
         try:

@@ -223,17 +223,14 @@ class StreamCall:
 
     def _take_back(self) -> None:
         """The attempt back from the native front, with the tokens it wrote (if it had it)."""
-        native, self._native = self._native, None
-        if native is not None:
+        if self._native is not None:
             raw = self._session.native_stop(self.attempt_id)
-            if raw:
-                back = front_pb2.Handback.FromString(raw)
-                native.adopt(back.token_ids, back.last_token_at)
+            self._handed_back(front_pb2.Handback.FromString(raw))
 
     def _handed_back(self, back: Any) -> None:
         """The native front gave the attempt back (its next event is Python's)."""
         native, self._native = self._native, None
-        if native is not None:
+        if native is not None and back.token_ids:
             native.adopt(back.token_ids, back.last_token_at)
 
     def _fail(self, exc: BaseException) -> None:
