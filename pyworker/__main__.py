@@ -105,34 +105,39 @@ async def run(args: argparse.Namespace, tail: StderrTail | None = None) -> int:
     from pyworker.engine_args import EngineArgsError
     from pyworker.server import StopReason, serve
 
+    def detach() -> None:
+        """This process's stderr back to the real one, before it says anything more: a
+        line left in the tail's pipe can be lost when the process exits."""
+        if tail is not None:
+            tail.detach()
+
     credentials = None
     try:
         # Fail before minutes of engine start, not after, and keep the port meanwhile.
         if args.tls_cert or args.tls_key or args.tls_client_ca:
             if not (args.tls_cert and args.tls_key):
+                detach()
                 return startup_failed(args, "--tls-cert and --tls-key go together")
             credentials = server_credentials(
                 args.tls_cert, args.tls_key, args.tls_client_ca, what="--tls"
             )
         reservation = Reservation(args.host, args.port)
     except OSError as exc:
+        detach()
         return startup_failed(args, str(exc))
     started = time.monotonic()
     try:
         engine = build_engine(args.model, args.engine_args, tail)
     except EngineArgsError as exc:
-        if tail is not None:
-            tail.detach()
+        detach()
         reservation.release()
         return startup_failed(args, str(exc))
     except Exception as exc:
-        if tail is not None:
-            tail.detach()
+        detach()
         log.exception("engine failed to load", model=args.model)
         reservation.release()
         return startup_failed(args, f"engine failed to load: {type(exc).__name__}: {exc}")
-    if tail is not None:
-        tail.detach()
+    detach()
     log.info("startup", seconds=round(time.monotonic() - started, 1))
     code = EXIT_STARTUP_FAILED
     try:
