@@ -290,7 +290,7 @@ def vllm_grpc_server(
 def smg_gateway(worker: str, log_dir: Path) -> Iterator[Running]:
     port = free_port()
     argv = [
-        str(Path(sys.executable).parent / "smg"), "launch", "--host", "127.0.0.1",
+        sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1",
         "--port", str(port), "--worker-urls", f"grpc://{worker}", "--policy", "round_robin",
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
     ]  # fmt: skip

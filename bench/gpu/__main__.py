@@ -6,6 +6,7 @@
     python -m bench.gpu --phase tp --out DIR         # tensor_parallel_size 1 and 2 (2 GPUs)
     python -m bench.gpu --phase native --out DIR     # the native front beside grpc.aio (1B)
     python -m bench.gpu --phase native2 --out DIR    # two workers behind the native front
+    python -m bench.gpu --phase native3 --out DIR    # vLLM's gRPC server and SMG beside it
     python -m bench.gpu --report DIR...              # docs/results/gpu.md
 
 Made for the lent H200 (scripts/gpu-bench.sh runs it there): an 8B Llama shape with random
@@ -32,7 +33,7 @@ log = structlog.get_logger(__name__)
 
 def main() -> None:
     p = argparse.ArgumentParser("python -m bench.gpu", description=__doc__.splitlines()[0])
-    phases = "fronts peers quant tp saturate fast fast2 native native2".split()
+    phases = "fronts peers quant tp saturate fast fast2 native native2 native3".split()
     p.add_argument("--phase", choices=phases)
     p.add_argument("--out", type=Path)
     p.add_argument("--model-dir", type=Path, help="default: an 8B shape made in /tmp/llama-8b")
@@ -65,7 +66,7 @@ def main() -> None:
     if args.smoke:
         common.smoke()
     args.out.mkdir(parents=True, exist_ok=True)
-    fast = args.phase in ("fast", "fast2", "native", "native2")
+    fast = args.phase in ("fast", "fast2", "native", "native2", "native3")
     if args.model_dir:
         model = args.model_dir
     elif fast:
@@ -83,7 +84,7 @@ def main() -> None:
         path.write_text(json.dumps(result, indent=1))
 
     steps: list[tuple[str, Any]]
-    if args.phase in ("native", "native2"):  # the native front on the fast shape
+    if args.phase in ("native", "native2", "native3"):  # the native front on the fast shape
         from bench.gpu.fast import FAST_SETTINGS
         from bench.gpu.native import steps as native_steps
 

@@ -42,7 +42,7 @@ LOADS = (100, 1000)  # concurrent requests; each run sends that many
 PROMPT, OUTPUT = 128, 256
 CLIENT_PROCS = 4
 CONNECTIONS = 8  # channels per client process
-TTFT_PAIRS = 60
+TTFT_PAIRS = 100
 
 
 def make_model(path: Path, shape: str = "8b") -> Path:

@@ -175,6 +175,7 @@ def _run(
     requests: int = LOAD,
     out: Path | None = None,
     engines: list[str] | None = None,
+    model: str = "m",
 ) -> dict[str, Any]:
     meters = {name: _cores(pids) for name, pids in cpu.items()}
     probe_before = cpu_probe_ms()
@@ -182,7 +183,7 @@ def _run(
     started = time.monotonic()
     batches: dict[str, Any] = {}
     with systems.engine_batches(engines or [], batches):
-        run = run_load(target, address, "m", requests, seed=1, processes=CLIENTS, waves=WAVES)
+        run = run_load(target, address, model, requests, seed=1, processes=CLIENTS, waves=WAVES)
     wall = time.monotonic() - started
     run.update(batches)
     # How fast this host's CPUs were around the run (a shared machine's speed varies):
@@ -211,8 +212,8 @@ class _AsyncLLMBeside:
     engines load at once: one start's wait), run only when told, so the two never
     share the GPU's time."""
 
-    def __init__(self, model: Path, settings: dict[str, Any]) -> None:
-        argv = [*asyncllm_argv(model, settings, (LOAD,), WAVES), "--go", "--reps", "2"]
+    def __init__(self, model: Path, settings: dict[str, Any], reps: int = 2) -> None:
+        argv = [*asyncllm_argv(model, settings, (LOAD,), WAVES), "--go", "--reps", str(reps)]
         self.lines: list[str] = []
         self.ready = threading.Event()
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -263,21 +264,22 @@ class Served:
 
 
 @contextlib.contextmanager
-def served_beside_asyncllm(model: Path, out: Path, label: str, logs: str) -> Iterator[Served]:
+def served_beside_asyncllm(
+    model: Path, out: Path, label: str, logs: str, reps: int = 2, extra: str = ""
+) -> Iterator[Served]:
     """`switchyard serve` on the model with AsyncLLM loading beside it (stopped at the
-    end). Every engine gets 0.42 of the GPU's memory (two share it); the KV cache still
-    holds every request."""
+    end; `reps` passes when told). Every engine gets 0.42 of the GPU's memory (two share
+    it); the KV cache still holds every request. `extra`: top-level config lines."""
     settings = {**FAST_SETTINGS, "gpu_memory_utilization": 0.42}
     result: dict[str, Any] = {"label": label, "settings": settings, "runs": []}
     log_dir = out / logs
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    beside = _AsyncLLMBeside(model, settings)
+    beside = _AsyncLLMBeside(model, settings, reps)
     try:
         with contextlib.ExitStack() as stack:
-            cp, proc = stack.enter_context(
-                systems.control_plane(_model_yaml("m", model, settings), log_dir)
-            )
+            yaml = _model_yaml("m", model, settings)
+            cp, proc = stack.enter_context(systems.control_plane(yaml, log_dir, settings=extra))
             result["start_s"] = time.monotonic() - started
             worker_pids = _pids_named(proc.popen.pid, "pyworker")
             engine = [p for w in worker_pids for p in systems.descendants(w)]
