@@ -27,6 +27,18 @@ def _running(run: dict[str, Any]) -> float | None:
     return sum(means) if means else None
 
 
+def _split(run: dict[str, Any]) -> str:
+    """Running requests per engine, where there are several: "505 / 382"."""
+    engines = run.get("engine") or {}
+    means = [e["running_mean"] for e in engines.values() if "running_mean" in e]
+    return " / ".join(f"{m:.0f}" for m in means) if len(means) > 1 else ""
+
+
+def _splits(runs: list[dict[str, Any]]) -> str:
+    got = [_split(r) or "—" for r in runs]
+    return f" ({'; '.join(got)})" if any(g != "—" for g in got) else ""
+
+
 def _front_cores(run: dict[str, Any]) -> float | None:
     """Cores busy in the front's own processes (a control plane, a gateway, a server)."""
     busy = run.get("cores_busy", {})
@@ -64,8 +76,8 @@ def systems_table(runs: list[dict[str, Any]]) -> list[str]:
         cores = _mean([_front_cores(r) for r in rs])
         lines.append(
             f"| {label} | {' / '.join(_fmt(t) for t in tput)} | {_fmt(statistics.fmean(tput))} "
-            f"| {_fmt(_mean([_running(r) for r in rs]))} | {_fmt(itl, 1)} | {_fmt(ttft)} "
-            f"| {_fmt(cores, 2)} |"
+            f"| {_fmt(_mean([_running(r) for r in rs]))}{_splits(rs)} | {_fmt(itl, 1)} "
+            f"| {_fmt(ttft)} | {_fmt(cores, 2)} |"
         )
     return lines
 
