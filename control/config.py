@@ -8,7 +8,7 @@ tls: {cert: server.pem, key: server.key, client_ca: ca.pem}   # client_ca: mutua
 auth: {tokens_file: tokens.yaml}   # bearer tokens (control/api/auth.py); reloaded on change
 api: {reflection: true, admin: true, max_message_bytes: 67108864, max_metadata_bytes: 16384,
       request_idle_s: 30, stream_interval: 1,   # stream_interval: tokens per chunk, at least
-      front: python}   # python (grpc.aio) | native (grpc++ carries the bytes; docs/api.md)
+      front: auto}   # auto (native where the build has it) | native (grpc++) | python (grpc.aio)
 health: {listen: 0.0.0.0:50052}   # grpc.health.v1 alone, plaintext, for probes (kubelet)
 models:
   - name: tiny
@@ -55,9 +55,10 @@ API_KEYS = {
     "stream_interval",
     "front",
 }
-# api.front: what serves the public port. python: grpc.aio; native: the grpc++ front
-# (control/api/front.py), with the same handlers and every decision still in Python.
-FRONTS = ("python", "native")
+# api.front: what serves the public port. native: the grpc++ front (control/api/front.py),
+# with the same handlers and every decision still in Python; python: grpc.aio; auto (the
+# default): native where the build has the library, else python.
+FRONTS = ("auto", "native", "python")
 ROUTING_POLICIES = (
     "least_load",
     "prefix_affinity",
@@ -223,7 +224,7 @@ class ServeConfig:
     # How long a call may wait for its request message before DEADLINE_EXCEEDED.
     request_idle_s: float = DEFAULT_REQUEST_IDLE_S
     stream_interval: int = 1  # tokens per streamed chunk, at least (a request may ask more)
-    front: str = "python"  # FRONTS
+    front: str = "auto"  # FRONTS
 
 
 def default_config(listen: str = DEFAULT_LISTEN) -> ServeConfig:
@@ -316,7 +317,7 @@ def parse_config(raw: object) -> ServeConfig:
 
 
 def _front(api: dict[str, Any]) -> str:
-    value = api.get("front", "python")
+    value = api.get("front", "auto")
     if value not in FRONTS:
         raise ConfigError("api.front", f"expected one of {', '.join(FRONTS)}, got {value!r}")
     return str(value)

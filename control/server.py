@@ -35,6 +35,7 @@ from prometheus_client import start_http_server
 from switchyard.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 from control import tracing
+from control.api import front_lib
 from control.api.admin import AdminServicer
 from control.api.auth import AuthInterceptor, TokenStore
 from control.api.front import HandlerTable, NativeFront
@@ -88,7 +89,7 @@ class ControlPlane:
         self.registry = ModelRegistry(self.limits)
         self.health = HealthServicer()
         listeners = max(1, listeners)
-        native = config.front == "native"  # one grpc++ server: no listeners of its own
+        native = _native_front(config.front)  # one grpc++ server: no listeners of its own
         self.shared_port = routers > 1 or router_of is not None or (listeners > 1 and not native)
         options = [
             ("grpc.so_reuseport", 1 if self.shared_port else 0),
@@ -389,6 +390,17 @@ def _server_credentials(tls: TlsConfig | None) -> grpc.ServerCredentials | None:
     if tls is None:
         return None
     return server_credentials(tls.cert, tls.key, tls.client_ca)
+
+
+def _native_front(front: str) -> bool:
+    """Whether the native front serves the public port: `api.front: auto` takes it where
+    the build has it, and says so where it does not."""
+    if front != "auto":
+        return front == "native"
+    reason = front_lib.unavailable()
+    if reason is not None:
+        log.warning("serving with grpc.aio: the native front is not available", reason=reason)
+    return reason is None
 
 
 def _front_lib(config: ServeConfig, reuse_port: bool) -> FrontLib:

@@ -196,7 +196,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 label += ", native front"
             elif listeners:
                 label += f", {listeners} listener{'s' if listeners > 1 else ''}"
-            api = [f"front: {front}"] if front != "python" else []
+            # an older checkout may not know api.front: it serves with grpc.aio as it is
+            api = [f"front: {front}"] if cwd is None else []
             if interval > 1:  # the server's floor, so every stream gets it
                 label += f", stream_interval {interval}"
                 api.append(f"stream_interval: {interval}")

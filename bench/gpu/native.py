@@ -45,6 +45,7 @@ from bench.gpu.fast import (
 from bench.gpu.fronts import ttft_pairs
 
 NATIVE = "api: {front: native}\n"
+AIO = "api: {front: python}\n"
 PASSES = 3
 
 
@@ -54,7 +55,9 @@ def _orders(labels: list[str]) -> list[list[str]]:
 
 
 def native_fronts(model: Path, out: Path) -> dict[str, Any]:
-    with served_beside_asyncllm(model, out, "native-fronts", "logs-native", reps=PASSES) as served:
+    with served_beside_asyncllm(
+        model, out, "native-fronts", "logs-native", reps=PASSES, extra=AIO
+    ) as served:
         result, cp, proc = served.result, served.cp, served.proc
         worker = list_workers(cp)[0]["address"]
         record_asyncllm(result, served.beside.run())

@@ -41,6 +41,16 @@ def find_library() -> Path:
 _lib: ctypes.CDLL | None = None
 
 
+def unavailable() -> str | None:
+    """Why the native front cannot serve here (the library is missing or does not load);
+    None when it can."""
+    try:
+        _load()
+    except FrontUnavailable as e:
+        return str(e)
+    return None
+
+
 def _load() -> ctypes.CDLL:
     global _lib
     if _lib is not None:

@@ -1,5 +1,6 @@
 """`switchyard serve --listeners N`: N gRPC servers in one process on one port, each
-accepting new calls on its own (grpc.aio accepts one call at a time per server).
+accepting new calls on its own (grpc.aio accepts one call at a time per server). A knob of
+the grpc.aio front (`api.front: python`); the native front accepts on grpc++'s threads.
 
 What a user sees: the process listens N times on its port and serves every connection,
 whichever listener the kernel hands it to; another `switchyard serve` on that port is
@@ -44,7 +45,7 @@ def listening_sockets(port: int) -> int:
 def served(tmp_path: Path) -> Iterator[tuple[Proc, int, Path]]:
     port = free_port()
     config = tmp_path / "c.yaml"
-    config.write_text(f"listen: 127.0.0.1:{port}\nmodels:\n{MODEL}")
+    config.write_text(f"listen: 127.0.0.1:{port}\napi: {{front: python}}\nmodels:\n{MODEL}")
     args = ["-m", "control", "serve", "--config", str(config), "--listeners", str(LISTENERS)]
     proc = start_process(args, port, tmp_path, "ctl")
     try:

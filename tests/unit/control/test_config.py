@@ -237,7 +237,7 @@ def test_the_transport_limits_load_and_a_bad_one_names_its_key(tmp_path: Path) -
     loaded = load_config(config)
     assert (loaded.max_metadata_bytes, loaded.request_idle_s) == (8192, 2.5)
     assert loaded.stream_interval == 4
-    assert loaded.front == "python"  # the default
+    assert loaded.front == "auto"  # the default: native where the build has it
     config.write_text(
         "api: {front: native}\nmodels: [{name: m, engine: sim, model: builtin:tiny}]\n"
     )

@@ -59,7 +59,7 @@ tracing: {{otlp_endpoint: http://collector:4317, service_name: edge}}
 tls: {{cert: {t}/server.pem, key: {t}/server.key, client_ca: {t}/ca.pem}}
 auth: {{tokens_file: {t}/tokens.yaml}}
 api: {{reflection: false, admin: false, max_message_bytes: 1024, max_metadata_bytes: 512,
-      request_idle_s: 2.5, stream_interval: 2, front: native}}
+      request_idle_s: 2.5, stream_interval: 2, front: python}}
 health: {{listen: 0.0.0.0:7001}}
 models:
   - name: llama
