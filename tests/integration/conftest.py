@@ -98,15 +98,16 @@ def _tiny_control(worker: Proc, tmp: Path, settings: str, name: str) -> Iterator
 
 @pytest.fixture(scope="session")
 def control(worker: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    """The control plane in front of the session's worker, serving it as model 'tiny'."""
+    """The control plane in front of the session's worker, serving it as model 'tiny', on
+    its default front (the native one: this build has it)."""
     yield from _tiny_control(worker, tmp_path_factory.mktemp("control"), "", "control")
 
 
 @pytest.fixture(scope="session")
-def native_control(worker: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    """`control` on the native front (api.front: native), in front of the same worker."""
-    tmp = tmp_path_factory.mktemp("native-control")
-    yield from _tiny_control(worker, tmp, "api: {front: native}\n", "native")
+def aio_control(worker: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """`control` on the grpc.aio front (api.front: python), in front of the same worker."""
+    tmp = tmp_path_factory.mktemp("aio-control")
+    yield from _tiny_control(worker, tmp, "api: {front: python}\n", "aio")
 
 
 @pytest.fixture(scope="module")

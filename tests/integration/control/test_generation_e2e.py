@@ -21,7 +21,7 @@ pytestmark = pytest.mark.engine
 FR = common_pb2.FinishReason
 
 
-@pytest.fixture(scope="module", params=["control", "native_control"])
+@pytest.fixture(scope="module", params=["control", "aio_control"])
 def stub(request: pytest.FixtureRequest) -> Iterator[generation_pb2_grpc.GenerationStub]:
     """The control plane on each api.front, in front of the session's vLLM worker."""
     proc: Proc = request.getfixturevalue(request.param)

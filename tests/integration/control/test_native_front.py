@@ -38,8 +38,9 @@ def fronts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]
     tmp = tmp_path_factory.mktemp("fronts")
     metrics = f"127.0.0.1:{free_port()}"
     native = f"api: {{front: native}}\nmetrics: {{listen: {metrics}}}\n"
+    aio = "api: {front: python}\n"
     with (
-        serving_control(tmp, MODEL, "sim", name="python") as python,
+        serving_control(tmp, MODEL, "sim", settings=aio, name="python") as python,
         serving_control(tmp, MODEL, "sim", settings=native, name="native") as n,
     ):
         n.metrics = metrics  # type: ignore[attr-defined]
